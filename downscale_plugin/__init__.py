@@ -1,0 +1,1 @@
+"""downscale-plugin: train diffusion LoRAs on area-downsampled latents inside validated σ windows."""

@@ -1,0 +1,525 @@
+"""The plugin's one configuration schema: typed, validated, merged from three sources.
+
+Sources, highest precedence first (DESIGN §3):
+
+1. ``--network_args`` strings. Plugin keys carry the prefix ``ds_`` (``ds_gate=strict``,
+   ``ds_routes=1024:768@0.65-0.95``) so they can never collide with an inner module's own keys;
+   ``inner=`` and ``downscale_config=`` are the two unprefixed plugin keys.
+2. The ``[plugins.downscale]`` table of the sd-scripts training TOML (it reaches the trainer as the
+   dict ``args.downscale``; a one-level ``[downscale]`` table would be flattened into ``args``).
+3. A plugin TOML named by ``downscale_config=PATH``, with the same keys at its top level.
+
+A higher source replaces a lower one key by key; ``routes`` is replaced as a whole list.
+Every problem is collected and raised at once in :class:`ConfigError`, naming the key, the value
+and what is allowed, before any model is loaded.
+"""
+
+from __future__ import annotations
+
+import difflib
+import os
+import random
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+import toml
+
+GATES = ("coupled", "strict")
+SPAN_MODES = ("early", "late", "spread")
+ARCH_NAMES = ("flux", "chroma", "sd3", "lumina", "anima", "hunyuan_image", "sdxl", "sd1")
+NETWORK_ARGS_PREFIX = "ds_"
+UNPREFIXED_NETWORK_ARGS = ("inner", "downscale_config")
+ROUTE_KEYS = ("route", "scale", "sigma_min", "sigma_max", "span", "name")
+
+
+class ConfigError(ValueError):
+    """One or more configuration problems, each naming the offending key."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("downscale_plugin config:\n  - " + "\n  - ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class Span:
+    """When in training a rule may fire, counted in train forwards 1..T.
+
+    ``early:f`` fires on forwards ``idx <= cut(f)``, ``late:f`` on ``idx > cut(1 - f)`` with the
+    same rounding, so ``early:f`` and ``late:1-f`` partition ``[1, T]`` exactly. ``spread:p`` is a
+    coin with probability p that is a pure function of (seed, idx).
+    """
+
+    mode: str
+    frac: float
+
+    def active(self, idx: int, total: int, seed: int) -> bool:
+        if self.mode == "spread":
+            return random.Random(seed * 1_000_003 + idx).random() < self.frac
+        if total <= 0:
+            raise ValueError(f"span {self}: the total number of train forwards is not known (got {total})")
+        if self.mode == "early":
+            return idx <= _cut(self.frac, total)
+        return idx > _cut(1.0 - self.frac, total)
+
+    def __str__(self) -> str:
+        return f"{self.mode}:{self.frac:g}"
+
+
+def _cut(frac: float, total: int) -> int:
+    # Rounding the fraction first makes cut(1 - (1 - f)) == cut(f) despite float error.
+    return int(round(frac, 12) * total + 0.5)
+
+
+@dataclass(frozen=True)
+class RouteRule:
+    """One router rule: a target grid, a strict σ window, an optional span.
+
+    ``native``/``target`` are tier edges in pixels (``"1024:768"``: buckets of the 1024 tier run at
+    linear ratio 0.75); a ``scale`` rule applies to every bucket. The window is ``lo < σ < hi``;
+    ``sigma_max = None`` means no upper bound (σ = 1 included).
+    """
+
+    sigma_min: float
+    sigma_max: float | None = None
+    native: int | None = None
+    target: int | None = None
+    scale: float | None = None
+    span: Span | None = None
+    name: str = ""
+
+    @property
+    def ratio(self) -> float:
+        return self.scale if self.scale is not None else self.target / self.native
+
+    @property
+    def label(self) -> str:
+        if self.name:
+            return self.name
+        return f"{self.native}:{self.target}" if self.native else f"x{self.scale:g}"
+
+    def in_window(self, sigma):
+        """Strict window membership; works on floats and tensors."""
+        above = sigma > self.sigma_min
+        return above if self.sigma_max is None else above & (sigma < self.sigma_max)
+
+    def window_text(self) -> str:
+        hi = "1]" if self.sigma_max is None else f"{self.sigma_max:g})"
+        return f"({self.sigma_min:g}, {hi}"
+
+
+@dataclass(frozen=True)
+class DownscaleConfig:
+    enable: bool = True
+    gate: str = "coupled"
+    routes: tuple[RouteRule, ...] = ()
+    seed: int | None = None
+    max_tries: int = 8
+    tier_tolerance: float = 0.1
+    arch: str | None = None
+    inner: str | None = None
+    sources: tuple[str, ...] = field(default=(), compare=False)
+
+    def with_routes(self, routes: Sequence[RouteRule]) -> DownscaleConfig:
+        return replace(self, routes=tuple(routes))
+
+
+# ---------------------------------------------------------------------------------------------
+# Key table: name -> (kind, allowed values or range, help). One table drives parsing, checking
+# and the did-you-mean suggestions for every source.
+
+_TOP_KEYS: dict[str, tuple[str, Any]] = {
+    "enable": ("bool", None),
+    "gate": ("enum", GATES),
+    "routes": ("routes", None),
+    "seed": ("int", (0, None)),
+    "max_tries": ("int", (1, 64)),
+    "tier_tolerance": ("float", (0.0, 0.5)),
+    "arch": ("enum", ARCH_NAMES),
+    "inner": ("str", None),
+    "downscale_config": ("str", None),
+}
+
+
+def _suggest(key: str, choices: Sequence[str]) -> str:
+    close = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.6)
+    return f"; did you mean {close[0]!r}?" if close else ""
+
+
+def _unknown(where: str, key: str, choices: Sequence[str]) -> str:
+    return f"{where}{key}: unknown key{_suggest(key, choices)} (allowed: {', '.join(sorted(choices))})"
+
+
+def _from_string(kind: str, text: str) -> Any:
+    """Convert a network_args string to the schema type, strictly (no silent coercion)."""
+    if kind == "bool":
+        low = text.strip().lower()
+        if low in ("true", "false"):
+            return low == "true"
+        raise ValueError(f"{text!r} is not a boolean (allowed: true, false)")
+    if kind == "int":
+        return int(text.strip())
+    if kind == "float":
+        return float(text.strip())
+    return text.strip()
+
+
+def _check_scalar(key: str, kind: str, allowed: Any, value: Any, problems: list[str]) -> Any:
+    if kind == "bool":
+        if not isinstance(value, bool):
+            problems.append(f"{key}: {value!r} must be a boolean (true or false)")
+            return None
+        return value
+    if kind == "enum":
+        if value not in allowed:
+            problems.append(f"{key}: {value!r} is not allowed (allowed: {', '.join(allowed)}){_suggest(str(value), allowed)}")
+            return None
+        return value
+    if kind == "str":
+        if not isinstance(value, str) or not value:
+            problems.append(f"{key}: {value!r} must be a non-empty string")
+            return None
+        return value
+    if kind == "int":
+        if isinstance(value, bool) or not isinstance(value, int):
+            problems.append(f"{key}: {value!r} must be an integer")
+            return None
+        lo, hi = allowed
+        if value < lo or (hi is not None and value > hi):
+            problems.append(f"{key}: {value} is out of range (allowed: {lo} to {hi if hi is not None else 'any'})")
+            return None
+        return value
+    if kind == "float":
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            problems.append(f"{key}: {value!r} must be a number")
+            return None
+        lo, hi = allowed
+        if not lo < value < hi:
+            problems.append(f"{key}: {value} is out of range (allowed: strictly between {lo} and {hi})")
+            return None
+        return float(value)
+    raise AssertionError(kind)
+
+
+def parse_span(text: str) -> Span:
+    """Parse ``early[:f]`` | ``late[:f]`` | ``spread[:p]`` (f, p strictly inside (0, 1), default 0.5)."""
+    mode, _, frac_text = text.strip().partition(":")
+    if mode not in SPAN_MODES:
+        raise ValueError(f"{text!r}: mode must be one of {', '.join(SPAN_MODES)} (form MODE[:FRACTION])")
+    frac = 0.5
+    if frac_text:
+        try:
+            frac = float(frac_text)
+        except ValueError:
+            raise ValueError(f"{text!r}: fraction {frac_text!r} is not a number") from None
+    if not 0.0 < frac < 1.0:
+        raise ValueError(f"{text!r}: fraction must be strictly between 0 and 1")
+    return Span(mode, frac)
+
+
+def parse_route_edges(text: str) -> tuple[int, int]:
+    """Parse ``"NATIVE:TARGET"`` tier edges in pixels; TARGET must be smaller than NATIVE."""
+    parts = text.strip().split(":")
+    if len(parts) != 2 or not all(p.strip().isdigit() for p in parts):
+        raise ValueError(f"{text!r} must be two positive integers 'NATIVE:TARGET', e.g. '1024:768'")
+    native, target = (int(p) for p in parts)
+    if not 0 < target < native:
+        raise ValueError(f"{text!r}: TARGET must be positive and smaller than NATIVE (ratio < 1)")
+    return native, target
+
+
+def parse_routes_string(text: str) -> list[dict[str, Any]]:
+    """Parse the network_args form ``ROUTE@LO-HI[@SPAN],...`` into route tables.
+
+    ROUTE is ``NATIVE:TARGET`` or ``xSCALE``; ``LO-`` leaves the window open at the top.
+    Example: ``1024:768@0.65-0.95,1024:896@0.5-@late:0.75``.
+    """
+    tables = []
+    for entry in filter(None, (e.strip() for e in text.split(","))):
+        fields = entry.split("@")
+        if len(fields) not in (2, 3):
+            raise ValueError(f"{entry!r} must be 'ROUTE@LO-HI' or 'ROUTE@LO-HI@SPAN'")
+        route, window = fields[0], fields[1]
+        table: dict[str, Any] = {}
+        if route.startswith("x"):
+            table["scale"] = float(route[1:])
+        else:
+            table["route"] = route
+        lo, sep, hi = window.partition("-")
+        if not sep:
+            raise ValueError(f"{entry!r}: window {window!r} must be 'LO-HI' or 'LO-'")
+        table["sigma_min"] = float(lo)
+        if hi:
+            table["sigma_max"] = float(hi)
+        if len(fields) == 3:
+            table["span"] = fields[2]
+        tables.append(table)
+    return tables
+
+
+def _number(value: Any) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _parse_route(index: int, table: Any, is_last: bool, problems: list[str]) -> RouteRule | None:
+    where = f"routes[{index}]"
+    if not isinstance(table, Mapping):
+        problems.append(f"{where}: must be a table with keys {', '.join(ROUTE_KEYS)}, got {table!r}")
+        return None
+    n_before = len(problems)
+    for key in table:
+        if key not in ROUTE_KEYS:
+            problems.append(_unknown(f"{where}.", key, ROUTE_KEYS))
+    native = target = scale = None
+    if ("route" in table) == ("scale" in table):
+        problems.append(
+            f"{where}: give exactly one of 'route' (\"NATIVE:TARGET\", e.g. \"1024:768\") or 'scale' (a linear ratio in (0, 1))"
+        )
+    elif "route" in table:
+        if not isinstance(table["route"], str):
+            problems.append(f"{where}.route: {table['route']!r} must be a string 'NATIVE:TARGET', e.g. \"1024:768\"")
+        else:
+            try:
+                native, target = parse_route_edges(table["route"])
+            except ValueError as err:
+                problems.append(f"{where}.route: {err}")
+    else:
+        scale = table["scale"]
+        if not _number(scale) or not 0.0 < scale < 1.0:
+            problems.append(f"{where}.scale: {scale!r} must be a number strictly between 0 and 1 (a linear downscale ratio)")
+            scale = None
+        else:
+            scale = float(scale)
+    lo = table.get("sigma_min")
+    hi = table.get("sigma_max")
+    if lo is None:
+        problems.append(f"{where}.sigma_min: required (the window is strict, sigma_min < σ < sigma_max)")
+    elif not _number(lo) or not 0.0 <= lo < 1.0:
+        problems.append(f"{where}.sigma_min: {lo!r} must be a number in [0, 1)")
+        lo = None
+    if hi is None:
+        if not is_last:
+            problems.append(
+                f"{where}.sigma_max: required: a rule with lower-priority rules after it needs an explicit window, "
+                "otherwise it shadows them on all of (sigma_min, 1]"
+            )
+    elif not _number(hi) or not 0.0 < hi <= 1.0:
+        problems.append(f"{where}.sigma_max: {hi!r} must be a number in (0, 1]")
+        hi = None
+    elif lo is not None and _number(lo) and hi <= lo:
+        problems.append(f"{where}.sigma_max: {hi} must be greater than sigma_min ({lo}): the window ({lo}, {hi}) is empty or inverted")
+    span = None
+    if "span" in table:
+        if not isinstance(table["span"], str):
+            problems.append(f"{where}.span: {table['span']!r} must be a string MODE[:FRACTION] with MODE in {', '.join(SPAN_MODES)}")
+        else:
+            try:
+                span = parse_span(table["span"])
+            except ValueError as err:
+                problems.append(f"{where}.span: {err}")
+    name = table.get("name", "")
+    if not isinstance(name, str):
+        problems.append(f"{where}.name: {name!r} must be a string")
+    if len(problems) > n_before:
+        return None
+    return RouteRule(
+        sigma_min=float(lo),
+        sigma_max=None if hi is None else float(hi),
+        native=native,
+        target=target,
+        scale=scale,
+        span=span,
+        name=name,
+    )
+
+
+def _same_buckets(a: RouteRule, b: RouteRule) -> bool:
+    """Whether rule a applies to every bucket rule b applies to."""
+    return a.scale is not None or (a.native is not None and a.native == b.native)
+
+
+def _covers(a: RouteRule, b: RouteRule) -> bool:
+    a_hi = 1.0 if a.sigma_max is None else a.sigma_max
+    b_hi = 1.0 if b.sigma_max is None else b.sigma_max
+    top_ok = a.sigma_max is None or (b.sigma_max is not None and b_hi <= a_hi)
+    return a.sigma_min <= b.sigma_min and top_ok
+
+
+def _check_routes(rules: list[RouteRule], problems: list[str]) -> None:
+    """Reject rules a higher-priority rule shadows completely: they could never fire."""
+    for j, low in enumerate(rules):
+        for i in range(j):
+            high = rules[i]
+            if high.span is None and _same_buckets(high, low) and _covers(high, low):
+                problems.append(
+                    f"routes[{j}]: can never fire: routes[{i}] ({high.label}, window {high.window_text()}) has priority "
+                    f"and covers its whole window {low.window_text()} for the same buckets; narrow routes[{i}] or reorder"
+                )
+                break
+
+
+def _normalize_source(raw: Mapping[str, Any], source: str, problems: list[str], strings: bool) -> dict[str, Any]:
+    """Check one source's keys and types; network_args strings are converted first."""
+    out: dict[str, Any] = {}
+    for key, value in raw.items():
+        if key not in _TOP_KEYS:
+            shown = NETWORK_ARGS_PREFIX + key if strings and key not in UNPREFIXED_NETWORK_ARGS else key
+            choices = (
+                [NETWORK_ARGS_PREFIX + k if k not in UNPREFIXED_NETWORK_ARGS else k for k in _TOP_KEYS] if strings else list(_TOP_KEYS)
+            )
+            problems.append(f"[{source}] " + _unknown("", shown, choices))
+            continue
+        kind, allowed = _TOP_KEYS[key]
+        if strings:
+            try:
+                value = parse_routes_string(value) if kind == "routes" else _from_string(kind, value)
+            except ValueError as err:
+                problems.append(f"[{source}] {key}: {err}")
+                continue
+        if kind == "routes":
+            if not isinstance(value, list):
+                problems.append(f"[{source}] routes: must be an array of tables ([[routes]]), got {type(value).__name__}")
+                continue
+            out[key] = value
+            continue
+        n_before = len(problems)
+        checked = _check_scalar(key, kind, allowed, value, problems)
+        if len(problems) > n_before:
+            problems[-1] = f"[{source}] {problems[-1]}"
+            continue
+        out[key] = checked
+    return out
+
+
+def split_network_args(kwargs: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
+    """Split network kwargs into (plugin keys without prefix, everything else for the inner module)."""
+    plugin: dict[str, str] = {}
+    inner: dict[str, Any] = {}
+    for key, value in kwargs.items():
+        if key.startswith(NETWORK_ARGS_PREFIX):
+            plugin[key[len(NETWORK_ARGS_PREFIX) :]] = value
+        elif key in UNPREFIXED_NETWORK_ARGS:
+            plugin[key] = value
+        else:
+            inner[key] = value
+    return plugin, inner
+
+
+def read_plugin_toml(path: str) -> dict[str, Any]:
+    if not os.path.isfile(path):
+        raise ConfigError([f"downscale_config: file not found: {path}"])
+    try:
+        return toml.load(path)
+    except toml.TomlDecodeError as err:
+        raise ConfigError([f"downscale_config: {path} is not valid TOML: {err}"]) from None
+
+
+def load_config(
+    network_args: Mapping[str, str] | None = None,
+    table: Mapping[str, Any] | None = None,
+    plugin_toml: Mapping[str, Any] | None = None,
+    base_dir: str = ".",
+) -> DownscaleConfig:
+    """Merge and validate the three sources; raise :class:`ConfigError` listing every problem.
+
+    ``network_args`` holds the plugin's keys with the ``ds_`` prefix already stripped (see
+    :func:`split_network_args`). A ``downscale_config`` path found in ``network_args`` or ``table``
+    is read here (relative to ``base_dir``) unless ``plugin_toml`` is given directly.
+    """
+    problems: list[str] = []
+    args_src = _normalize_source(network_args or {}, "network_args", problems, strings=True)
+    table_src = _normalize_source(table or {}, "plugins.downscale", problems, strings=False)
+    path = args_src.pop("downscale_config", None) or table_src.pop("downscale_config", None)
+    sources = [name for name, src in (("network_args", network_args), ("plugins.downscale", table)) if src]
+    file_src: dict[str, Any] = {}
+    if plugin_toml is None and path:
+        full = path if os.path.isabs(path) else os.path.join(base_dir, path)
+        try:
+            plugin_toml = read_plugin_toml(full)
+        except ConfigError as err:
+            problems.extend(err.problems)
+        sources.append(full)
+    if plugin_toml is not None:
+        file_src = _normalize_source(plugin_toml, "downscale_config", problems, strings=False)
+        if "downscale_config" in file_src:
+            problems.append("[downscale_config] downscale_config: a plugin TOML cannot name another plugin TOML")
+            file_src.pop("downscale_config")
+        if not path:
+            sources.append("downscale_config")
+    merged: dict[str, Any] = {**file_src, **table_src, **args_src}
+    rules: list[RouteRule] = []
+    raw_routes = merged.pop("routes", [])
+    for i, route_table in enumerate(raw_routes):
+        rule = _parse_route(i, route_table, i == len(raw_routes) - 1, problems)
+        if rule is not None:
+            rules.append(rule)
+    if len(rules) == len(raw_routes):
+        _check_routes(rules, problems)
+    if merged.get("enable", True) and not raw_routes:
+        problems.append(
+            'routes: at least one route is required while enable = true (e.g. route = "1024:768", sigma_min = 0.65, sigma_max = 0.95)'
+        )
+    if problems:
+        raise ConfigError(problems)
+    return DownscaleConfig(routes=tuple(rules), sources=tuple(sources), **merged)
+
+
+def flatten_training_toml(data: Mapping[str, Any]) -> dict[str, Any]:
+    """Flatten a training TOML the way sd-scripts' ``read_config_from_file`` does.
+
+    Every top-level table is merged one level into a flat dict (section names dropped), so
+    ``[plugins.downscale]`` arrives as the dict-valued key ``downscale``.
+    """
+    flat: dict[str, Any] = {}
+    for key, value in data.items():
+        if isinstance(value, dict):
+            flat.update(value)
+        else:
+            flat[key] = value
+    return flat
+
+
+def network_args_dict(items: Sequence[str] | None) -> dict[str, str]:
+    """Parse sd-scripts' ``network_args`` list (``key=value`` strings), like the trainer does."""
+    out: dict[str, str] = {}
+    for item in items or []:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise ConfigError([f"network_args: {item!r} is not of the form key=value"])
+        out[key.strip()] = value.strip()
+    return out
+
+
+def config_from_training_toml(path: str) -> tuple[DownscaleConfig, dict[str, Any]]:
+    """Read a sd-scripts training TOML: returns the plugin config and the flattened host args."""
+    if not os.path.isfile(path):
+        raise ConfigError([f"config_file: file not found: {path}"])
+    try:
+        data = toml.load(path)
+    except toml.TomlDecodeError as err:
+        raise ConfigError([f"config_file: {path} is not valid TOML: {err}"]) from None
+    problems = []
+    for name in ("downscale", "downscale_plugin"):
+        if isinstance(data.get(name), dict):
+            problems.append(
+                f"[{name}]: a one-level table is flattened into the trainer's args by sd-scripts and can override real "
+                "options; put the plugin's keys under [plugins.downscale]"
+            )
+    flat = flatten_training_toml(data)
+    table = flat.get("downscale")
+    if table is not None and not isinstance(table, dict):
+        problems.append(f"plugins.downscale: must be a table, got {table!r}")
+        table = None
+    try:
+        plugin_args, _ = split_network_args(network_args_dict(flat.get("network_args")))
+    except ConfigError as err:
+        problems.extend(err.problems)
+        plugin_args = {}
+    try:
+        cfg = load_config(plugin_args, table, base_dir=os.path.dirname(os.path.abspath(path)))
+    except ConfigError as err:
+        problems.extend(err.problems)
+        cfg = None
+    if problems:
+        raise ConfigError(problems)
+    return cfg, flat

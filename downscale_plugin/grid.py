@@ -1,0 +1,134 @@
+"""The grid rule: which smaller latent grid a route gives a bucket, and area downsampling to it.
+
+A route's target is the bucket's latent size times the route's linear ratio, each axis rounded to
+the architecture's latent multiple (Flux/Chroma/SD3/Lumina/Anima 2, HunyuanImage 1, SDXL 4, SD1 1),
+so the aspect ratio is kept to the nearest multiple. A bucket whose target is not strictly smaller
+(or would vanish) is ineligible for that route and always trains native.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from .config import RouteRule
+
+
+@dataclass(frozen=True)
+class ArchSpec:
+    """What the grid rule needs to know about an architecture, in latent pixels."""
+
+    name: str
+    multiple: int  # target latent h, w must be multiples of this
+    patch: int  # latent pixels per token side (DiT patchify / Flux 2x2 packing)
+    vae_factor: int  # image pixels per latent pixel
+
+
+ARCHS: dict[str, ArchSpec] = {
+    spec.name: spec
+    for spec in (
+        ArchSpec("flux", 2, 2, 8),
+        ArchSpec("chroma", 2, 2, 8),
+        ArchSpec("sd3", 2, 2, 8),
+        ArchSpec("lumina", 2, 2, 8),
+        ArchSpec("anima", 2, 2, 8),
+        ArchSpec("hunyuan_image", 1, 1, 32),
+        ArchSpec("sdxl", 4, 1, 8),
+        ArchSpec("sd1", 1, 1, 8),
+    )
+}
+
+
+def get_arch(name: str) -> ArchSpec:
+    try:
+        return ARCHS[name]
+    except KeyError:
+        raise ValueError(f"arch: {name!r} has no grid multiple (allowed: {', '.join(ARCHS)})") from None
+
+
+def tokens(latent_hw: tuple[int, int], arch: ArchSpec) -> int:
+    """Image tokens a DiT runs for this latent grid (latent pixels for the UNets, patch 1)."""
+    return (latent_hw[0] // arch.patch) * (latent_hw[1] // arch.patch)
+
+
+def rule_ratio(rule: RouteRule, latent_hw: tuple[int, int], arch: ArchSpec, tier_tolerance: float) -> float | None:
+    """The linear ratio a rule applies to this bucket, or None when the bucket is not in its tier.
+
+    A bucket belongs to tier E when √(W·H) in image pixels is within ``tier_tolerance`` of E.
+    """
+    if rule.scale is not None:
+        return rule.scale
+    edge = math.sqrt(latent_hw[0] * latent_hw[1]) * arch.vae_factor
+    if abs(edge / rule.native - 1.0) > tier_tolerance:
+        return None
+    return rule.target / rule.native
+
+
+def target_grid(latent_hw: tuple[int, int], ratio: float, arch: ArchSpec) -> tuple[int, int] | None:
+    """Target latent (h, w) for a linear ratio, or None if no valid strictly smaller grid exists."""
+    m = arch.multiple
+    h, w = latent_hw
+    th = int(round(h * ratio / m)) * m
+    tw = int(round(w * ratio / m)) * m
+    if th < m or tw < m or th > h or tw > w or th * tw >= h * w:
+        return None
+    return th, tw
+
+
+def area_downsample(latents: torch.Tensor, target_hw: tuple[int, int]) -> torch.Tensor:
+    """Area-average the last two dims to ``target_hw`` in float32, cast back (4D or 5D latents)."""
+    lead = latents.shape[:-2]
+    flat = latents.reshape(-1, 1, *latents.shape[-2:]).float()
+    small = F.interpolate(flat, size=target_hw, mode="area")
+    return small.reshape(*lead, *target_hw).to(latents.dtype)
+
+
+@dataclass(frozen=True)
+class Eligibility:
+    """One (bucket, rule) cell of the startup table."""
+
+    latent_hw: tuple[int, int]
+    rule_index: int
+    target_hw: tuple[int, int] | None
+    reason: str  # "" when eligible
+
+    @property
+    def eligible(self) -> bool:
+        return self.target_hw is not None
+
+
+def eligibility(latent_hw: tuple[int, int], rule_index: int, rule: RouteRule, arch: ArchSpec, tier_tolerance: float) -> Eligibility:
+    ratio = rule_ratio(rule, latent_hw, arch, tier_tolerance)
+    if ratio is None:
+        return Eligibility(latent_hw, rule_index, None, f"not in the {rule.native} px tier")
+    target = target_grid(latent_hw, ratio, arch)
+    if target is None:
+        return Eligibility(latent_hw, rule_index, None, f"no strictly smaller grid that is a multiple of {arch.multiple}")
+    return Eligibility(latent_hw, rule_index, target, "")
+
+
+def eligibility_table(
+    buckets: list[tuple[int, int]], rules: tuple[RouteRule, ...], arch: ArchSpec, tier_tolerance: float
+) -> list[list[Eligibility]]:
+    """Per bucket (latent h, w), one :class:`Eligibility` per rule, for the start banner and ``plan``."""
+    return [[eligibility(b, i, r, arch, tier_tolerance) for i, r in enumerate(rules)] for b in buckets]
+
+
+def sd_scripts_buckets(
+    resolution: tuple[int, int], min_size: int = 256, max_size: int = 1024, divisible: int = 64
+) -> list[tuple[int, int]]:
+    """The bucket list sd-scripts builds for ``--enable_bucket`` (pixels, (W, H)), same arithmetic."""
+    max_area = resolution[0] * resolution[1]
+    side = int(math.sqrt(max_area) // divisible) * divisible
+    resos = {(side, side)}
+    width = min_size
+    while width <= max_size:
+        height = min(max_size, int((max_area // width) // divisible) * divisible)
+        if height >= min_size:
+            resos.add((width, height))
+            resos.add((height, width))
+        width += divisible
+    return sorted(resos)

@@ -3,8 +3,9 @@
 Contract (usable by any trainer): ``Router.route(draw, batch_size, latent_hw, step)`` where
 ``draw(n)`` returns n σ drawn exactly the way the host draws them for this native latent grid,
 from torch's global RNG (the router forks and seeds that RNG around every call, so the host's own
-stream is never advanced). The first ``draw(batch_size)`` happens on the host's current RNG state,
-so it *is* the σ the host would draw next.
+stream is never advanced). The step's first draw runs on the host's current RNG state, so it *is*
+the σ the host would draw next: ``draw(batch_size)``, or ``first()`` when the host consumes RNG
+before its σ draw (sd-scripts draws the noise first) and the caller reproduces that.
 
 Gates (DESIGN §1.2):
 
@@ -32,6 +33,7 @@ SigmaDraw = Callable[[int], torch.Tensor]
 _LEAD_STREAM = 0x1EAD
 _PRIVATE_STREAM = 0x5EED
 _MASK64 = (1 << 64) - 1
+_MAX_CANDIDATES = 256  # per rejection round; a host draw may allocate a latent-sized tensor per σ
 
 
 def _mix(*values: int) -> int:
@@ -152,10 +154,11 @@ class Router:
         step: int,
         rank: int = 0,
         world_size: int = 1,
+        first: Callable[[], torch.Tensor] | None = None,
     ) -> RouteDecision:
         active = self.active(latent_hw, step)
         with torch.random.fork_rng(devices=self.devices):
-            host = draw(batch_size).reshape(-1)
+            host = (first() if first is not None else draw(batch_size)).reshape(-1)
             if not active:
                 return RouteDecision(-1, None, host, None)
             if self.gate == "strict":
@@ -192,7 +195,7 @@ class Router:
         sigmas = host.clone()
         filled = 0
         for attempt in range(self.max_tries):
-            cand = draw(batch << attempt).reshape(-1).to(sigmas.device)
+            cand = draw(min(batch << attempt, max(batch, _MAX_CANDIDATES))).reshape(-1).to(sigmas.device)
             ok = cand[self.categories(cand, active) == category]
             take = min(ok.numel(), missing.numel() - filled)
             sigmas[missing[filled : filled + take]] = ok[:take].to(sigmas.dtype)

@@ -1,0 +1,174 @@
+"""Host σ-sampler families: draw σ with the host's own sampler, replay a drawn σ through its slot.
+
+Every sd-scripts LoRA trainer reaches its σ sampler through a module attribute at call time, so a
+scoped replacement of that attribute is seen by exactly the call it wraps (host-sd-scripts.md §2.9):
+
+- ``flux``: ``library.flux_train_utils.get_noisy_model_input_and_timesteps`` (FLUX.1, Chroma,
+  Anima, HunyuanImage; the lab trainer's module follows the same contract)
+- ``lumina``: ``library.lumina_train_util.get_noisy_model_input_and_timesteps``
+- ``sd3``: ``library.sd3_train_utils.get_noisy_model_input_and_timesteps`` (no noise_scheduler arg)
+- ``ddpm``: ``library.train_util.get_timesteps`` (SD1.x/SDXL integer t, mapped to flow σ by SNR)
+
+A replay returns exactly what the host sampler would have returned for those σ: the same
+timesteps and σ values and dtypes the host produced when it drew them, the noisy input built the
+host's way at whatever grid the latents now have, and ``--ip_noise_gamma`` drawn at that grid.
+"""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from types import ModuleType
+from typing import Any
+
+import torch
+
+from ..sigma import ddpm_t_to_sigma
+
+FLOW_CONTRACTS = ("flux", "lumina", "sd3")
+# Modes whose σ depends on the latent's h, w (the μ shift): candidates must keep the native grid.
+_GRID_DEPENDENT_MODES = ("flux_shift", "nextdit_shift")
+
+
+@dataclass
+class BoundSampler:
+    """The host sampler bound to one step's arguments.
+
+    ``first()`` reproduces the host's RNG use up to and including its σ draw (sd-scripts draws the
+    noise first), so under a forked RNG it returns the σ the host is about to draw. ``draw(n)``
+    returns n fresh σ the host's way. Both remember each σ's host-made (timestep, σ) values so a
+    replay hands the host back its own numbers.
+    """
+
+    first: Callable[[], torch.Tensor]
+    draw: Callable[[int], torch.Tensor]
+    replay: Callable[[torch.Tensor], Any]
+    drawn: dict[float, tuple[float, float]] = field(default_factory=dict)
+
+
+def _remember(drawn: dict[float, tuple[float, float]], timesteps: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """Record host (t, σ) per sample; return σ as float64 keys the router compares and hands back."""
+    keys = sigmas.detach().reshape(-1).double().cpu()
+    for k, t in zip(keys.tolist(), timesteps.detach().reshape(-1).double().cpu().tolist(), strict=True):
+        drawn[k] = (t, k)
+    return keys
+
+
+@contextmanager
+def scoped_attr(module: ModuleType, name: str, value: Any) -> Iterator[None]:
+    """Replace ``module.name`` for the duration of the block; always restored, also on exceptions."""
+    original = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, original)
+
+
+class FlowFamily:
+    """Flow-matching samplers with sd-scripts' ``(noisy, timesteps, sigmas)`` return contract."""
+
+    fn_name = "get_noisy_model_input_and_timesteps"
+
+    def __init__(self, module: ModuleType, contract: str):
+        if contract not in FLOW_CONTRACTS:
+            raise ValueError(f"contract: {contract!r} is not allowed (allowed: {', '.join(FLOW_CONTRACTS)})")
+        if not callable(getattr(module, self.fn_name, None)):
+            raise AttributeError(f"{module.__name__}.{self.fn_name} is missing: this host revision has no σ sampler hook point")
+        self.module = module
+        self.contract = contract
+        self.name = contract
+
+    def _call(self, fn: Callable, args: Any, noise_scheduler: Any, latents: torch.Tensor, noise: torch.Tensor, device: Any, dtype: Any):
+        if self.contract == "sd3":
+            return fn(args, latents, noise, device, dtype)
+        return fn(args, noise_scheduler, latents, noise, device, dtype)
+
+    def bind(self, args: Any, noise_scheduler: Any, latents: torch.Tensor, device: Any, dtype: Any) -> BoundSampler:
+        drawn: dict[float, tuple[float, float]] = {}
+        out_dtypes: dict[str, torch.dtype] = {}
+        fn = getattr(self.module, self.fn_name)
+
+        def first() -> torch.Tensor:
+            noise = torch.randn_like(latents)
+            _, timesteps, sigmas = self._call(fn, args, noise_scheduler, latents, noise, device, dtype)
+            out_dtypes["t"], out_dtypes["s"] = timesteps.dtype, sigmas.dtype
+            return _remember(drawn, timesteps, sigmas)
+
+        quiet_args = copy.copy(args)
+        quiet_args.ip_noise_gamma = None  # ξ is drawn after σ; candidates need no latent-sized noise
+        grid = tuple(latents.shape[-2:]) if getattr(args, "timestep_sampling", None) in _GRID_DEPENDENT_MODES else (1, 1)
+
+        def draw(n: int) -> torch.Tensor:
+            dummy = latents.new_zeros((n, 1, *grid))
+            _, timesteps, sigmas = self._call(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
+            return _remember(drawn, timesteps, sigmas)
+
+        def replay(sigmas: torch.Tensor):
+            pairs = [drawn[k] for k in sigmas.double().cpu().tolist()]
+            t_values = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
+            s_values = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
+            return scoped_attr(self.module, self.fn_name, self._replay_fn(t_values, s_values, out_dtypes))
+
+        return BoundSampler(first, draw, replay, drawn)
+
+    def _replay_fn(self, t_values: torch.Tensor, s_values: torch.Tensor, out_dtypes: dict[str, torch.dtype]) -> Callable:
+        contract = self.contract
+
+        def build(args, latents, noise, device, dtype):
+            timesteps = t_values.to(device=device, dtype=out_dtypes["t"])
+            view = (-1,) + (1,) * (latents.ndim - 1) if contract == "flux" else (-1, 1, 1, 1)
+            sigmas = s_values.to(device=device, dtype=out_dtypes["s"]).view(view)
+            if contract == "sd3":
+                return sigmas * noise + (1.0 - sigmas) * latents, timesteps, sigmas
+            if getattr(args, "ip_noise_gamma", None):
+                xi = torch.randn_like(latents, device=latents.device, dtype=dtype)
+                gamma = args.ip_noise_gamma
+                if getattr(args, "ip_noise_gamma_random_strength", False):
+                    gamma = torch.rand(1, device=latents.device, dtype=dtype) * args.ip_noise_gamma
+                noisy = (1.0 - sigmas) * latents + sigmas * (noise + gamma * xi)
+            else:
+                noisy = (1.0 - sigmas) * latents + sigmas * noise
+            return noisy.to(dtype), timesteps, sigmas
+
+        if contract == "sd3":
+            return lambda args, latents, noise, device, dtype: build(args, latents, noise, device, dtype)
+        return lambda args, noise_scheduler, latents, noise, device, dtype: build(args, latents, noise, device, dtype)
+
+
+class DDPMFamily:
+    """SD1.x/SDXL: integer DDPM timesteps from ``train_util.get_timesteps``, on the flow σ axis."""
+
+    fn_name = "get_timesteps"
+    name = "ddpm"
+
+    def __init__(self, module: ModuleType):
+        for symbol in (self.fn_name, "get_noise_noisy_latents_and_timesteps"):
+            if not callable(getattr(module, symbol, None)):
+                raise AttributeError(f"{module.__name__}.{symbol} is missing: this host revision has no σ sampler hook point")
+        self.module = module
+
+    def bind(self, args: Any, noise_scheduler: Any, latents: torch.Tensor, device: Any, dtype: Any) -> BoundSampler:
+        drawn: dict[float, tuple[float, float]] = {}
+        alphas = noise_scheduler.alphas_cumprod
+        t_min = 0 if args.min_timestep is None else args.min_timestep
+        t_max = noise_scheduler.config.num_train_timesteps if args.max_timestep is None else args.max_timestep
+
+        def keys(t: torch.Tensor) -> torch.Tensor:
+            sigmas = ddpm_t_to_sigma(t, alphas)
+            return _remember(drawn, t, sigmas)
+
+        def first() -> torch.Tensor:
+            _, _, t = self.module.get_noise_noisy_latents_and_timesteps(args, noise_scheduler, latents)
+            return keys(t)
+
+        def draw(n: int) -> torch.Tensor:
+            return keys(self.module.get_timesteps(t_min, t_max, n, latents.device))
+
+        def replay(sigmas: torch.Tensor):
+            t = torch.tensor([drawn[k][0] for k in sigmas.double().cpu().tolist()], dtype=torch.long)
+            return scoped_attr(self.module, self.fn_name, lambda min_t, max_t, b, dev: t.to(dev))
+
+        return BoundSampler(first, draw, replay, drawn)

@@ -429,7 +429,10 @@ def load_config(
     problems: list[str] = []
     args_src = _normalize_source(network_args or {}, "network_args", problems, strings=True)
     table_src = _normalize_source(table or {}, "plugins.downscale", problems, strings=False)
-    path = args_src.pop("downscale_config", None) or table_src.pop("downscale_config", None)
+    # Pop from both sources: the higher one wins, and neither may leak into the merged keys.
+    args_path = args_src.pop("downscale_config", None)
+    table_path = table_src.pop("downscale_config", None)
+    path = args_path or table_path
     sources = [name for name, src in (("network_args", network_args), ("plugins.downscale", table)) if src]
     file_src: dict[str, Any] = {}
     if plugin_toml is None and path:
@@ -455,7 +458,11 @@ def load_config(
             rules.append(rule)
     if len(rules) == len(raw_routes):
         _check_routes(rules, problems)
-    if merged.get("enable", True) and not raw_routes:
+    # A routes value that was itself rejected is already reported; "no routes" would mislead.
+    routes_rejected = any(
+        "routes" in (raw or {}) and "routes" not in src for raw, src in ((network_args, args_src), (table, table_src), (plugin_toml, file_src))
+    )
+    if merged.get("enable", True) and not raw_routes and not routes_rejected:
         problems.append(
             'routes: at least one route is required while enable = true (e.g. route = "1024:768", sigma_min = 0.65, sigma_max = 0.95)'
         )

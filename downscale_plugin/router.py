@@ -165,6 +165,18 @@ class Router:
                 return self._strict(host, active)
             return self._coupled(draw, host, active, step, rank, world_size)
 
+    def _seed(self, value: int) -> None:
+        """Seed exactly the generators ``route`` forked (CPU and ``devices``), nothing else.
+
+        ``torch.manual_seed`` would also reseed every other accelerator's generator, which the fork
+        does not restore: a host drawing its noise there would get a stream reset to a function of
+        (seed, step), identical on every rank.
+        """
+        torch.default_generator.manual_seed(value)
+        for device in self.devices:
+            with torch.cuda.device(device):
+                torch.cuda.manual_seed(value)
+
     def _decision(self, index: int, active: Sequence[_Active], sigmas: torch.Tensor, **extra) -> RouteDecision:
         for a in active:
             if a.index == index:
@@ -185,13 +197,13 @@ class Router:
         if batch == 1 and world_size == 1:
             return self._decision(int(cats[0]), active, host, lead=float(host[0]))
         idx = self.resume_offset + step
-        torch.manual_seed(_mix(self.seed, idx, _LEAD_STREAM))
+        self._seed(_mix(self.seed, idx, _LEAD_STREAM))
         lead = draw(1).reshape(-1)
         category = int(self.categories(lead, active)[0])
         missing = (cats != category).nonzero().flatten()
         if missing.numel() == 0:
             return self._decision(category, active, host, lead=float(lead[0]))
-        torch.manual_seed(_mix(self.seed, idx, rank, _PRIVATE_STREAM))
+        self._seed(_mix(self.seed, idx, rank, _PRIVATE_STREAM))
         sigmas = host.clone()
         filled = 0
         for attempt in range(self.max_tries):

@@ -1,0 +1,432 @@
+"""What the router did, and what it saved (DESIGN §4).
+
+Per train step one :class:`StepRecord` (route, σ, tokens run); :class:`Accounting` keeps running
+counts: route fractions against the plan's prediction, fallbacks, a token histogram, per-route
+losses (the host's ``loss/average`` mixes grids, so it cannot show a route drifting) and the
+realized FLOP saving under a :class:`FlopModel`. Counts are plain sums, so ranks combine by
+adding them (:meth:`Accounting.reduced` with ``accelerator.reduce``, or :meth:`~Accounting.state`
+and :meth:`~Accounting.merge`).
+"""
+
+from __future__ import annotations
+
+import re
+from collections import deque
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from .config import RouteRule
+from .grid import ArchSpec, eligibility_table, get_arch, tokens
+
+FALLBACK_REASONS = ("exhausted", "other")
+
+
+@dataclass(frozen=True)
+class FlopModel:
+    """Forward cost of one sample: a·N + b·N² in N = image + text tokens.
+
+    a = 2·depth·hidden²·(4 + 2·mlp_ratio): q, k, v, o projections and the MLP, 2 flops per MAC;
+    b = 4·depth·hidden: QKᵀ and AV. Norms, modulation and embedders are per-sample or O(N·hidden)
+    and left out. Backward scales both terms alike, so savings (ratios) hold for the whole step.
+    ``attention=False`` keeps only the linear term: the UNet presets, which count latent pixels.
+    """
+
+    hidden: int
+    depth: int
+    mlp_ratio: float = 4.0
+    text_tokens: int = 0
+    attention: bool = True
+
+    @property
+    def a(self) -> float:
+        return 2.0 * self.depth * self.hidden**2 * (4.0 + 2.0 * self.mlp_ratio)
+
+    @property
+    def b(self) -> float:
+        return 4.0 * self.depth * self.hidden if self.attention else 0.0
+
+    def flops(self, n_image_tokens: float) -> float:
+        n = n_image_tokens + self.text_tokens
+        return self.a * n + self.b * n * n
+
+
+# Shapes from the public model configs, as sd-scripts builds them.
+# - flux/chroma: FLUX.1 hidden 3072, 19 double + 38 single blocks (flux_models.py configs). A double
+#   block runs each token through its own stream's weights once, so per token it costs one block:
+#   depth 57. T5 context 512 tokens (sd-scripts' t5xxl_max_token_length for dev and Chroma).
+# - sd3: SD3/3.5-Medium MMDiT depth 24, hidden 64·24 = 1536; sd3_large: SD3.5-Large depth 38,
+#   hidden 2432. Context = 77 CLIP-L/G + 256 T5 tokens. MMDiT-X's extra image self-attention in
+#   the first 13 Medium blocks is left out.
+# - lumina: Lumina-Image-2.0 NextDiT 2B, hidden 2304, 26 layers, SwiGLU 6144 (= mlp_ratio 4 in
+#   MACs); Gemma-2 caption 256 tokens in the same sequence. GQA (8 of 24 kv heads) and the 2+2
+#   refiner layers are left out (they roughly cancel).
+# - anima: Cosmos-Predict2 2B MiniTrainDIT, model_channels 2048, 28 blocks, mlp_ratio 4, text by
+#   cross-attention (no text in the self-attention sequence); mlp_ratio 5 absorbs the
+#   cross-attention's q and o projections.
+# - hunyuan_image: HunyuanImage-2.1, hidden 3584, 20 double + 40 single blocks, mlp_ratio 4
+#   (hunyuan_image_models.py); text is trimmed to the batch's valid Qwen2.5-VL + ByT5 tokens, 256
+#   is a typical caption.
+# - sdxl/sd1: UNets, modelled linear in latent pixels (conv and attention cost there is dominated
+#   by per-pixel work at 1/1, 1/2, 1/4 resolution). The scale is nominal (one 320-wide layer per
+#   latent pixel): only ratios are meaningful, and a linear model's saving is the pixel saving.
+FLOP_PRESETS: dict[str, FlopModel] = {
+    "flux": FlopModel(3072, 19 + 38, text_tokens=512),
+    "chroma": FlopModel(3072, 19 + 38, text_tokens=512),
+    "sd3": FlopModel(1536, 24, text_tokens=77 + 256),
+    "sd3_large": FlopModel(2432, 38, text_tokens=77 + 256),
+    "lumina": FlopModel(2304, 26, text_tokens=256),
+    "anima": FlopModel(2048, 28, mlp_ratio=5.0),
+    "hunyuan_image": FlopModel(3584, 20 + 40, text_tokens=256),
+    "sdxl": FlopModel(320, 1, attention=False),
+    "sd1": FlopModel(320, 1, attention=False),
+}
+
+
+def predicted_saving(hist: Mapping[int, float], native: Mapping[int, float], flop_model: FlopModel | None = None) -> float:
+    """1 − Σ hist·F(N_run) / Σ native·F(N_native) over token histograms (tokens → samples or weight).
+
+    Without a model F(N) = N: the token saving.
+    """
+    cost = flop_model.flops if flop_model is not None else float
+    spent = sum(w * cost(n) for n, w in hist.items())
+    full = sum(w * cost(n) for n, w in native.items())
+    return 1.0 - spent / full if full > 0 else 0.0
+
+
+def route_histogram(probs: Mapping[int, float], route_tokens: Mapping[int, int], weight: float = 1.0) -> dict[int, float]:
+    """Per-route probabilities (rule index, −1 native) × the tokens each route runs → a token histogram."""
+    hist: dict[int, float] = {}
+    for index, p in probs.items():
+        if p > 0:
+            n = route_tokens[index]
+            hist[n] = hist.get(n, 0.0) + weight * p
+    return hist
+
+
+@dataclass(frozen=True)
+class StepRecord:
+    """One train step: route (``rule_index`` −1 = native), per-sample σ and tokens per sample."""
+
+    step: int
+    rule_index: int
+    route: str
+    sigmas: list[float]
+    tokens_native: int
+    tokens_run: int
+    resampled: int = 0
+    fallback: str | None = None
+    loss: float | None = None
+
+    @classmethod
+    def from_decision(
+        cls, step: int, decision: Any, latent_hw: tuple[int, int], arch: str | ArchSpec, loss: float | None = None
+    ) -> StepRecord:
+        """Build from a :class:`~downscale_plugin.router.RouteDecision` and the step's native latent grid."""
+        spec = arch if isinstance(arch, ArchSpec) else get_arch(arch)
+        native = tokens(latent_hw, spec)
+        return cls(
+            step=step,
+            rule_index=decision.rule_index,
+            route=decision.rule.label if decision.rule is not None else "native",
+            sigmas=[float(s) for s in decision.sigmas.reshape(-1).tolist()],
+            tokens_native=native,
+            tokens_run=tokens(decision.target_hw, spec) if decision.target_hw is not None else native,
+            resampled=decision.resampled,
+            fallback=decision.fallback,
+            loss=loss,
+        )
+
+
+def _tag(text: str) -> str:
+    """Tracker-safe key fragment (TensorBoard tags allow [A-Za-z0-9_.-/])."""
+    return re.sub(r"[^A-Za-z0-9_.-]", "-", text)
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f} %"
+
+
+class Accounting:
+    """Running route, token, FLOP and loss counts for one rank; see the module docstring.
+
+    ``predicted`` maps rule index (−1 native) to the planned step fraction and
+    ``predicted_flop_saving`` is the plan's saving (both from :mod:`downscale_plugin.plan`).
+    ``token_values`` fixes the histogram layout :meth:`reduced` sums across ranks (every rank must
+    pass the same list; :meth:`vocabulary` builds it from the bucket list). ``loss_window``: the
+    number of recent losses per route behind the ``downscale/loss/*`` scalars.
+    """
+
+    def __init__(
+        self,
+        rules: Sequence[RouteRule],
+        flop_model: FlopModel | None = None,
+        predicted: Mapping[int, float] | None = None,
+        *,
+        predicted_flop_saving: float | None = None,
+        fallback_reasons: Sequence[str] = FALLBACK_REASONS,
+        token_values: Iterable[int] = (),
+        loss_window: int = 100,
+    ):
+        self.rules = tuple(rules)
+        self.flop_model = flop_model
+        self.predicted = dict(predicted) if predicted is not None else None
+        self.predicted_flop_saving = predicted_flop_saving
+        self.fallback_reasons = tuple(dict.fromkeys((*fallback_reasons, "other")))
+        self.token_values = tuple(sorted(set(token_values)))
+        self.loss_window = loss_window
+        slots = len(self.rules) + 1  # rules, then native
+        self.steps = [0.0] * slots
+        self.samples = [0.0] * slots
+        self.loss_sum = [0.0] * slots
+        self.loss_count = [0.0] * slots
+        self.fallbacks = dict.fromkeys(self.fallback_reasons, 0.0)
+        self.resampled = 0.0
+        self.flops_native = 0.0
+        self.flops_run = 0.0
+        self.tokens_native = 0.0
+        self.tokens_run = 0.0
+        self.hist_run: dict[int, float] = {}
+        self.hist_native: dict[int, float] = {}
+        self.histogram_complete = True
+        self._recent: list[deque[float]] = [deque(maxlen=loss_window) for _ in range(slots)]
+        self._window = [(0.0, 0.0)] * slots  # (sum, count) of a reduced copy's recent losses
+        self._last_slot: int | None = None
+
+    @staticmethod
+    def vocabulary(
+        buckets: Sequence[tuple[int, int]], rules: Sequence[RouteRule], arch: str | ArchSpec, tier_tolerance: float
+    ) -> list[int]:
+        """Every token count a step can run at for these latent buckets: the ``token_values`` layout."""
+        spec = arch if isinstance(arch, ArchSpec) else get_arch(arch)
+        found = {tokens(b, spec) for b in buckets}
+        for row in eligibility_table(list(buckets), tuple(rules), spec, tier_tolerance):
+            found.update(tokens(cell.target_hw, spec) for cell in row if cell.eligible)
+        return sorted(found)
+
+    def _slot(self, rule_index: int) -> int:
+        return len(self.rules) if rule_index < 0 else rule_index
+
+    def _key(self, slot: int) -> str:
+        return "native" if slot == len(self.rules) else f"r{slot}_{_tag(self.rules[slot].label)}"
+
+    def _name(self, slot: int) -> str:
+        return "native" if slot == len(self.rules) else f"r{slot} {self.rules[slot].label}"
+
+    def record(self, rec: StepRecord) -> None:
+        slot = self._slot(rec.rule_index)
+        n = len(rec.sigmas)
+        self.steps[slot] += 1
+        self.samples[slot] += n
+        self.resampled += rec.resampled
+        if rec.fallback is not None:
+            reason = rec.fallback if rec.fallback in self.fallbacks else "other"
+            self.fallbacks[reason] += 1
+        self.tokens_native += n * rec.tokens_native
+        self.tokens_run += n * rec.tokens_run
+        if self.flop_model is not None:
+            self.flops_native += n * self.flop_model.flops(rec.tokens_native)
+            self.flops_run += n * self.flop_model.flops(rec.tokens_run)
+        self.hist_native[rec.tokens_native] = self.hist_native.get(rec.tokens_native, 0.0) + n
+        self.hist_run[rec.tokens_run] = self.hist_run.get(rec.tokens_run, 0.0) + n
+        self._last_slot = slot
+        if rec.loss is not None:
+            self._add_loss(slot, rec.loss)
+
+    def record_loss(self, loss: float) -> None:
+        """Attribute a loss known only after the step (the host's ``current_loss``) to the last route."""
+        if self._last_slot is not None:
+            self._add_loss(self._last_slot, float(loss))
+
+    def _add_loss(self, slot: int, loss: float) -> None:
+        self.loss_sum[slot] += loss
+        self.loss_count[slot] += 1
+        self._recent[slot].append(loss)
+
+    # -- derived figures ------------------------------------------------------------------------
+
+    @property
+    def total_steps(self) -> float:
+        return sum(self.steps)
+
+    def fractions(self) -> dict[int, float]:
+        """Step fraction per rule index (−1 native)."""
+        total = self.total_steps
+        return {(-1 if s == len(self.rules) else s): (c / total if total else 0.0) for s, c in enumerate(self.steps)}
+
+    def demote_fraction(self) -> float:
+        total = self.total_steps
+        return 1.0 - self.steps[-1] / total if total else 0.0
+
+    def token_saving(self) -> float:
+        return 1.0 - self.tokens_run / self.tokens_native if self.tokens_native else 0.0
+
+    def flop_saving(self) -> float | None:
+        if self.flop_model is None:
+            return None
+        return 1.0 - self.flops_run / self.flops_native if self.flops_native else 0.0
+
+    def _window_stats(self, slot: int) -> tuple[float, float]:
+        recent = self._recent[slot]
+        local = (sum(recent), float(len(recent)))
+        return (local[0] + self._window[slot][0], local[1] + self._window[slot][1])
+
+    def scalars(self) -> dict[str, float]:
+        """``downscale/*`` floats for the host's trackers."""
+        out: dict[str, float] = {"downscale/steps": self.total_steps, "downscale/demote_frac": self.demote_fraction()}
+        fractions = self.fractions()
+        if self.predicted is not None:
+            out["downscale/demote_frac_pred"] = 1.0 - self.predicted.get(-1, 0.0)
+        for slot in range(len(self.steps)):
+            index = -1 if slot == len(self.rules) else slot
+            key = self._key(slot)
+            out[f"downscale/frac/{key}"] = fractions[index]
+            if self.predicted is not None:
+                out[f"downscale/frac_pred/{key}"] = self.predicted.get(index, 0.0)
+            total, count = self._window_stats(slot)
+            if count:
+                out[f"downscale/loss/{key}"] = total / count
+        n = sum(self.samples)
+        if n:
+            out["downscale/tokens_run_mean"] = self.tokens_run / n
+            out["downscale/tokens_native_mean"] = self.tokens_native / n
+            out["downscale/resampled_frac"] = self.resampled / n
+        out["downscale/token_saving"] = self.token_saving()
+        saving = self.flop_saving()
+        if saving is not None:
+            out["downscale/flop_saving"] = saving
+        if self.predicted_flop_saving is not None:
+            out["downscale/flop_saving_pred"] = self.predicted_flop_saving
+        for reason, count in self.fallbacks.items():
+            out[f"downscale/fallback/{_tag(reason)}"] = count
+        return out
+
+    def summary_text(self) -> str:
+        """The end-of-run summary."""
+        total = self.total_steps
+        lines = [f"downscale: {total:.0f} train forwards, {sum(self.samples):.0f} samples"]
+        lines.append(f"  {'route':<22}{'steps':>9}{'frac':>9}{'pred':>9}{'mean loss':>12}")
+        fractions = self.fractions()
+        for slot in range(len(self.steps)):
+            index = -1 if slot == len(self.rules) else slot
+            pred = _pct(self.predicted.get(index, 0.0)) if self.predicted is not None else "-"
+            loss = f"{self.loss_sum[slot] / self.loss_count[slot]:.4g}" if self.loss_count[slot] else "-"
+            lines.append(f"  {self._name(slot):<22}{self.steps[slot]:>9.0f}{_pct(fractions[index]):>9}{pred:>9}{loss:>12}")
+        pred = f" (predicted {_pct(1.0 - self.predicted.get(-1, 0.0))})" if self.predicted is not None else ""
+        fallbacks = ", ".join(f"{r} {c:.0f}" for r, c in self.fallbacks.items())
+        n = sum(self.samples)
+        resampled = f"; σ redrawn for {_pct(self.resampled / n)} of samples" if n else ""
+        lines.append(f"  routed {_pct(self.demote_fraction())} of steps{pred}{resampled}; fallbacks: {fallbacks}")
+        if n:
+            lines.append(
+                f"  tokens per sample: native {self.tokens_native / n:.0f}, run {self.tokens_run / n:.0f} "
+                f"(token saving {_pct(self.token_saving())})"
+            )
+        saving = self.flop_saving()
+        if saving is not None:
+            pred = f" vs {_pct(self.predicted_flop_saving)} predicted" if self.predicted_flop_saving is not None else ""
+            lines.append(f"  FLOP saving {_pct(saving)} realized{pred}")
+        if self.hist_run:
+            hist = ", ".join(f"{n_tok}×{c:.0f}" for n_tok, c in sorted(self.hist_run.items(), reverse=True))
+            scope = "" if self.histogram_complete else " (this rank only: tokens outside token_values)"
+            lines.append(f"  token histogram (tokens × samples){scope}: {hist}")
+        return "\n".join(lines)
+
+    # -- combining ranks ------------------------------------------------------------------------
+
+    def state(self) -> dict[str, Any]:
+        """Plain counts, for ``gather_object`` style combining with :meth:`merge`."""
+        windows = [self._window_stats(s) for s in range(len(self.steps))]
+        return {
+            "steps": list(self.steps),
+            "samples": list(self.samples),
+            "loss_sum": list(self.loss_sum),
+            "loss_count": list(self.loss_count),
+            "window": windows,
+            "fallbacks": dict(self.fallbacks),
+            "resampled": self.resampled,
+            "flops": (self.flops_native, self.flops_run),
+            "tokens": (self.tokens_native, self.tokens_run),
+            "hist_run": dict(self.hist_run),
+            "hist_native": dict(self.hist_native),
+        }
+
+    def merge(self, state: Mapping[str, Any]) -> None:
+        """Add another rank's :meth:`state` into this one (a reporting copy: its recent-loss window stays a fixed sum)."""
+        for name in ("steps", "samples", "loss_sum", "loss_count"):
+            mine = getattr(self, name)
+            for i, v in enumerate(state[name]):
+                mine[i] += v
+        self._window = [(a + s, b + c) for (a, b), (s, c) in zip(self._window, state["window"], strict=True)]
+        for reason, count in state["fallbacks"].items():
+            key = reason if reason in self.fallbacks else "other"
+            self.fallbacks[key] += count
+        self.resampled += state["resampled"]
+        self.flops_native += state["flops"][0]
+        self.flops_run += state["flops"][1]
+        self.tokens_native += state["tokens"][0]
+        self.tokens_run += state["tokens"][1]
+        for name in ("hist_run", "hist_native"):
+            mine = getattr(self, name)
+            for n_tok, c in state[name].items():
+                mine[int(n_tok)] = mine.get(int(n_tok), 0.0) + c
+
+    def _vector(self) -> list[float]:
+        windows = [self._window_stats(s) for s in range(len(self.steps))]
+        outside = sum(1 for n_tok in (*self.hist_run, *self.hist_native) if n_tok not in self.token_values)
+        return [
+            *self.steps,
+            *self.samples,
+            *self.loss_sum,
+            *self.loss_count,
+            *(w[0] for w in windows),
+            *(w[1] for w in windows),
+            *self.fallbacks.values(),
+            self.resampled,
+            self.flops_native,
+            self.flops_run,
+            self.tokens_native,
+            self.tokens_run,
+            float(outside),
+            *(self.hist_run.get(n_tok, 0.0) for n_tok in self.token_values),
+            *(self.hist_native.get(n_tok, 0.0) for n_tok in self.token_values),
+        ]
+
+    def reduced(self, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str | None = None) -> Accounting:
+        """A copy holding the sum over ranks: ``fn`` reduces a 1-D float64 tensor (``accelerator.reduce``).
+
+        A collective: every rank must call it, with the same rules and ``token_values``. The token
+        histogram is summed over ``token_values``; if any rank saw a token count outside it, the
+        copy keeps this rank's histogram and says so (``histogram_complete`` False).
+        """
+        vec = torch.tensor(self._vector(), dtype=torch.float64, device=device)
+        flat = fn(vec).detach().to("cpu", torch.float64).tolist()
+        out = Accounting(
+            self.rules,
+            self.flop_model,
+            self.predicted,
+            predicted_flop_saving=self.predicted_flop_saving,
+            fallback_reasons=self.fallback_reasons,
+            token_values=self.token_values,
+            loss_window=self.loss_window,
+        )
+        slots = len(self.steps)
+        take = iter(flat)
+
+        def chunk(n: int) -> list[float]:
+            return [next(take) for _ in range(n)]
+
+        out.steps, out.samples, out.loss_sum, out.loss_count = chunk(slots), chunk(slots), chunk(slots), chunk(slots)
+        out._window = list(zip(chunk(slots), chunk(slots), strict=True))
+        out.fallbacks = dict(zip(self.fallback_reasons, chunk(len(self.fallback_reasons)), strict=True))
+        out.resampled, out.flops_native, out.flops_run, out.tokens_native, out.tokens_run, outside = chunk(6)
+        hist_run, hist_native = chunk(len(self.token_values)), chunk(len(self.token_values))
+        if outside == 0:
+            out.hist_run = {n_tok: c for n_tok, c in zip(self.token_values, hist_run, strict=True) if c}
+            out.hist_native = {n_tok: c for n_tok, c in zip(self.token_values, hist_native, strict=True) if c}
+        else:
+            out.hist_run, out.hist_native = dict(self.hist_run), dict(self.hist_native)
+            out.histogram_complete = False
+        return out

@@ -1,0 +1,412 @@
+"""The math behind ``plan``: how often each route fires, and what that saves (DESIGN §3, §4).
+
+Windows are intervals on the σ axis and the router's decisions are first-match rules over them, so
+every probability is an inclusion–exclusion sum of interval masses. The masses come from the
+sampler's closed-form CDF where it has one, else from a sorted Monte-Carlo sample of the sampler
+itself (same strict comparisons as the router, so a discrete grid's atoms land on the right side).
+
+- ``coupled``: the step's category is the first active rule whose window holds the lead σ*, so
+  P(c) = P(σ ∈ W_c and in no higher active window); the step runs c unless the bounded rejection
+  redraw runs out (modelled exactly: the step then runs native).
+- ``strict``: P(r) = P(all B σ in W_r and, for no higher active rule h, all B σ in W_h), i.e.
+  Σ over subsets S of the higher rules of (−1)^|S| · mass(W_r ∩ ⋂_S W_h)^B.
+- Spans: early/late are deterministic step partitions and spread coins are independent of them;
+  the fraction of steps in each joint active state weights the per-state probabilities.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from itertools import combinations, pairwise, product
+from typing import Protocol
+
+import torch
+
+from .accounting import FLOP_PRESETS, FlopModel, predicted_saving, route_histogram
+from .config import DownscaleConfig, RouteRule, Span
+from .grid import ArchSpec, eligibility, get_arch, tokens
+from .sigma import ddpm_alphas_cumprod, ddpm_t_to_sigma
+
+Window = tuple[float, float | None]  # strict (lo, hi); hi None: no upper bound
+
+
+class Sampler(Protocol):
+    """What ``plan`` needs of a σ sampler (:class:`~downscale_plugin.sigma.SigmaSampler`, :class:`DdpmSampler`)."""
+
+    @property
+    def has_closed_form(self) -> bool: ...
+
+    def sample(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator | None = None) -> torch.Tensor: ...
+
+    def mass(self, lo: float, hi: float | None, latent_hw: tuple[int, int]) -> float: ...
+
+
+@dataclass(frozen=True)
+class DdpmSampler:
+    """SD1.x/SDXL: t uniform on [min_timestep, max_timestep) (sd-scripts' ``get_timesteps``), as flow σ.
+
+    The distribution is discrete (one atom per timestep), so its window masses are exact counts.
+    ``--zero_terminal_snr`` (a rescaled ᾱ) is not modelled.
+    """
+
+    min_timestep: int = 0
+    max_timestep: int = 1000
+    num_train_timesteps: int = 1000
+
+    has_closed_form = True
+
+    def grid(self) -> torch.Tensor:
+        t = torch.arange(self.min_timestep, self.max_timestep)
+        return ddpm_t_to_sigma(t, ddpm_alphas_cumprod(self.num_train_timesteps))
+
+    def sample(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator | None = None) -> torch.Tensor:
+        t = torch.randint(self.min_timestep, self.max_timestep, (n,), generator=generator)
+        return ddpm_t_to_sigma(t, ddpm_alphas_cumprod(self.num_train_timesteps))
+
+    def mass(self, lo: float, hi: float | None, latent_hw: tuple[int, int]) -> float:
+        g = self.grid()
+        inside = g > lo if hi is None else (g > lo) & (g < hi)
+        return float(inside.double().mean())
+
+
+class _Mass:
+    """Window mass for one bucket: closed form, or a sorted Monte-Carlo sample of the sampler."""
+
+    def __init__(self, sampler: Sampler, latent_hw: tuple[int, int], mc_samples: int, seed: int):
+        self.sampler = sampler
+        self.latent_hw = latent_hw
+        self.sorted: torch.Tensor | None = None
+        if not sampler.has_closed_form:
+            gen = torch.Generator().manual_seed(seed)
+            self.sorted = sampler.sample(mc_samples, latent_hw, generator=gen).reshape(-1).sort().values
+
+    def __call__(self, window: Window) -> float:
+        lo, hi = window
+        if self.sorted is None:
+            return self.sampler.mass(lo, hi, self.latent_hw)
+        s = self.sorted
+        above = s.numel() - int(torch.searchsorted(s, torch.tensor([lo], dtype=s.dtype), right=True))
+        at_or_above_hi = 0 if hi is None else s.numel() - int(torch.searchsorted(s, torch.tensor([hi], dtype=s.dtype), right=False))
+        return max(0, above - at_or_above_hi) / s.numel()
+
+
+def _intersect(rules: Sequence[RouteRule]) -> Window | None:
+    lo = max(r.sigma_min for r in rules)
+    tops = [r.sigma_max for r in rules if r.sigma_max is not None]
+    hi = min(tops) if tops else None
+    return None if hi is not None and hi <= lo else (lo, hi)
+
+
+def _first_match(rule: RouteRule, higher: Sequence[RouteRule], mass: _Mass, power: int) -> float:
+    """Σ_S (−1)^|S| mass(W_rule ∩ ⋂_S W)^power over subsets S of ``higher``."""
+    total = 0.0
+    for k in range(len(higher) + 1):
+        for subset in combinations(higher, k):
+            window = _intersect((rule, *subset))
+            if window is not None:
+                total += (-1) ** k * mass(window) ** power
+    return min(max(total, 0.0), 1.0)
+
+
+def _log_binom_pmf(k: int, n: int, p: float) -> float:
+    if p <= 0.0:
+        return 0.0 if k == 0 else -math.inf
+    if p >= 1.0:
+        return 0.0 if k == n else -math.inf
+    return math.lgamma(n + 1) - math.lgamma(k + 1) - math.lgamma(n - k + 1) + k * math.log(p) + (n - k) * math.log1p(-p)
+
+
+def exhaustion_probability(q: float, batch_size: int, max_tries: int) -> float:
+    """P(the coupled gate's redraw runs out) for a category of mass q.
+
+    The m ~ Bin(B, 1 − q) host σ outside the category are redrawn from B·(2^max_tries − 1) candidates
+    in all; the step falls back to native when fewer than m of them land in the category.
+    """
+    candidates = batch_size * ((1 << max_tries) - 1)
+    total = 0.0
+    for m in range(1, batch_size + 1):
+        p_m = math.exp(_log_binom_pmf(m, batch_size, 1.0 - q))
+        if p_m > 0.0:
+            total += p_m * sum(math.exp(_log_binom_pmf(k, candidates, q)) for k in range(m))
+    return min(total, 1.0)
+
+
+def _state_odds(
+    active: Sequence[tuple[int, RouteRule]], mass: _Mass, gate: str, batch_size: int, max_tries: int, world_size: int
+) -> tuple[dict[int, float], float]:
+    """Route probabilities and fallback probability for one fixed set of active rules."""
+    rules = [r for _, r in active]
+    power = batch_size if gate == "strict" else 1
+    probs = {i: _first_match(r, rules[:k], mass, power) for k, (i, r) in enumerate(active)}
+    native = max(0.0, 1.0 - sum(probs.values()))
+    fallback = 0.0
+    if gate == "coupled" and (batch_size > 1 or world_size > 1):
+        for i in list(probs):
+            lost = probs[i] * exhaustion_probability(probs[i], batch_size, max_tries)
+            probs[i] -= lost
+            fallback += lost
+        fallback += native * exhaustion_probability(native, batch_size, max_tries)
+        native = 1.0 - sum(probs.values())
+    probs[-1] = native
+    return probs, fallback
+
+
+def span_states(rules: Sequence[RouteRule], total_forwards: int = 0) -> dict[frozenset[int], float]:
+    """Fraction of train forwards in each joint state: the set of spanned rules that are active.
+
+    early/late spans are step intervals (exact at ``total_forwards``, in fractions when it is 0);
+    spread spans are independent coins. Rules without a span are not listed (always active).
+    """
+    fixed = [(i, r.span) for i, r in enumerate(rules) if r.span is not None and r.span.mode != "spread"]
+    coins = [(i, r.span.frac) for i, r in enumerate(rules) if r.span is not None and r.span.mode == "spread"]
+    length = float(total_forwards) if total_forwards > 0 else 1.0
+    spans = {i: _interval(span, total_forwards) for i, span in fixed}
+    cuts = sorted({0.0, length, *(x for iv in spans.values() for x in iv)})
+    states: dict[frozenset[int], float] = {}
+    for x0, x1 in pairwise(cuts):
+        on = frozenset(i for i, (a, b) in spans.items() if a <= x0 and x1 <= b)
+        for heads in product((True, False), repeat=len(coins)):
+            p = math.prod(f if h else 1.0 - f for (_, f), h in zip(coins, heads, strict=True))
+            key = on | frozenset(i for (i, _), h in zip(coins, heads, strict=True) if h)
+            states[key] = states.get(key, 0.0) + (x1 - x0) / length * p
+    return states
+
+
+def _interval(span: Span, total: int) -> tuple[float, float]:
+    """[start, end) of the forwards where an early/late span is active (fractions when total is 0)."""
+    if total <= 0:
+        return (0.0, span.frac) if span.mode == "early" else (1.0 - span.frac, 1.0)
+    # Count active forwards by bisection on Span.active (monotone in the index), not by re-deriving its rounding.
+    lo, hi = 0, total  # early: the last active index; late: the last inactive one
+    want = span.mode == "early"
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if span.active(mid, total, 0) == want:
+            lo = mid
+        else:
+            hi = mid - 1
+    return (0.0, float(lo)) if want else (float(lo), float(total))
+
+
+def _eligible(rules: Sequence[RouteRule], latent_hw: tuple[int, int], arch: ArchSpec, tier_tolerance: float) -> list[tuple[int, RouteRule]]:
+    return [(i, r) for i, r in enumerate(rules) if eligibility(latent_hw, i, r, arch, tier_tolerance).eligible]
+
+
+def _route_odds(
+    rules: Sequence[RouteRule],
+    sampler: Sampler,
+    latent_hw: tuple[int, int],
+    arch: ArchSpec,
+    tier_tolerance: float,
+    gate: str,
+    batch_size: int,
+    states: Mapping[frozenset[int], float],
+    mc_samples: int,
+    seed: int,
+    max_tries: int,
+    world_size: int,
+) -> tuple[dict[int, float], float]:
+    eligible = _eligible(rules, latent_hw, arch, tier_tolerance)
+    probs = {i: 0.0 for i, _ in eligible} | {-1: 0.0}
+    if not eligible:
+        probs[-1] = 1.0
+        return probs, 0.0
+    mass = _Mass(sampler, latent_hw, mc_samples, seed)
+    fallback = 0.0
+    memo: dict[tuple[int, ...], tuple[dict[int, float], float]] = {}
+    for state, weight in states.items():
+        active = tuple((i, r) for i, r in eligible if r.span is None or i in state)
+        key = tuple(i for i, _ in active)
+        if key not in memo:
+            memo[key] = _state_odds(active, mass, gate, batch_size, max_tries, world_size) if active else ({-1: 1.0}, 0.0)
+        odds, lost = memo[key]
+        for i, p in odds.items():
+            probs[i] += weight * p
+        fallback += weight * lost
+    return probs, fallback
+
+
+def route_probabilities(
+    rules: Sequence[RouteRule],
+    sampler: Sampler,
+    latent_hw: tuple[int, int],
+    arch: str | ArchSpec,
+    tier_tolerance: float = 0.1,
+    gate: str = "coupled",
+    batch_size: int = 1,
+    spans_active_fraction: Mapping[frozenset[int], float] | None = None,
+    mc_samples: int = 200_000,
+    seed: int = 0,
+    *,
+    total_forwards: int = 0,
+    max_tries: int = 8,
+    world_size: int = 1,
+) -> dict[int, float]:
+    """Per rule index (−1 = native) the probability that a step of this bucket runs it.
+
+    ``spans_active_fraction`` maps each joint state of the spanned rules (the set active) to its
+    fraction of steps; by default :func:`span_states` of the rules at ``total_forwards``. A coupled
+    step whose redraw runs out (``max_tries``) counts as native, as the router runs it.
+    """
+    if gate not in ("coupled", "strict"):
+        raise ValueError(f"gate: {gate!r} is not allowed (allowed: coupled, strict)")
+    spec = arch if isinstance(arch, ArchSpec) else get_arch(arch)
+    states = spans_active_fraction if spans_active_fraction is not None else span_states(rules, total_forwards)
+    probs, _ = _route_odds(
+        rules, sampler, latent_hw, spec, tier_tolerance, gate, batch_size, states, mc_samples, seed, max_tries, world_size
+    )
+    return probs
+
+
+@dataclass(frozen=True)
+class BucketPlan:
+    """One bucket's row of the plan."""
+
+    latent_hw: tuple[int, int]
+    weight: float
+    targets: dict[int, tuple[int, int]]  # eligible rule → target latent (h, w)
+    reasons: dict[int, str]  # ineligible rule → why
+    probs: dict[int, float]  # rule index (−1 native) → step probability
+    fallback: float  # probability a step falls back to native after exhausting redraws
+    tokens: dict[int, int]  # rule index (−1 native) → image tokens per sample
+    token_saving: float
+    flop_saving: float
+
+    @property
+    def routed(self) -> float:
+        return 1.0 - self.probs[-1]
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The whole plan: per-bucket rows and their weighted totals."""
+
+    rules: tuple[RouteRule, ...]
+    arch: ArchSpec
+    gate: str
+    batch_size: int
+    flop_model: FlopModel
+    buckets: list[BucketPlan]
+    probs: dict[int, float]
+    fallback: float
+    token_saving: float
+    flop_saving: float
+    never_routing: list[tuple[int, int]] = field(default_factory=list)
+
+
+def plan_table(
+    cfg: DownscaleConfig,
+    arch: str | ArchSpec,
+    sampler: Sampler,
+    buckets: Sequence[tuple[int, int]],
+    batch_size: int = 1,
+    weights: Sequence[float] | None = None,
+    *,
+    flop_model: FlopModel | None = None,
+    total_forwards: int = 0,
+    mc_samples: int = 200_000,
+    seed: int = 0,
+    world_size: int = 1,
+) -> Plan:
+    """Route probabilities and savings per latent bucket (h, w), and overall.
+
+    ``weights`` are the buckets' shares of steps (default equal). Savings compare each bucket's
+    expected per-sample cost with its native cost; overall figures pool them by weight.
+    """
+    spec = arch if isinstance(arch, ArchSpec) else get_arch(arch)
+    model = flop_model if flop_model is not None else FLOP_PRESETS[spec.name]
+    weights = list(weights) if weights is not None else [1.0] * len(buckets)
+    if len(weights) != len(buckets) or not buckets or sum(weights) <= 0:
+        raise ValueError("plan_table: need at least one bucket and one non-negative weight per bucket, not all zero")
+    norm = [w / sum(weights) for w in weights]
+    states = span_states(cfg.routes, total_forwards)
+    rows: list[BucketPlan] = []
+    hist_run: dict[int, float] = {}
+    hist_native: dict[int, float] = {}
+    for hw, w in zip(buckets, norm, strict=True):
+        hw = (int(hw[0]), int(hw[1]))
+        cells = [eligibility(hw, i, r, spec, cfg.tier_tolerance) for i, r in enumerate(cfg.routes)]
+        probs, fallback = _route_odds(
+            cfg.routes, sampler, hw, spec, cfg.tier_tolerance, cfg.gate, batch_size, states, mc_samples, seed, cfg.max_tries, world_size
+        )
+        route_tokens = {-1: tokens(hw, spec)} | {c.rule_index: tokens(c.target_hw, spec) for c in cells if c.eligible}
+        run = route_histogram(probs, route_tokens)
+        native = {route_tokens[-1]: 1.0}
+        rows.append(
+            BucketPlan(
+                latent_hw=hw,
+                weight=w,
+                targets={c.rule_index: c.target_hw for c in cells if c.eligible},
+                reasons={c.rule_index: c.reason for c in cells if not c.eligible},
+                probs=probs,
+                fallback=fallback,
+                tokens=route_tokens,
+                token_saving=predicted_saving(run, native),
+                flop_saving=predicted_saving(run, native, model),
+            )
+        )
+        for n_tok, c in run.items():
+            hist_run[n_tok] = hist_run.get(n_tok, 0.0) + w * c
+        hist_native[route_tokens[-1]] = hist_native.get(route_tokens[-1], 0.0) + w
+    overall = {i: sum(row.weight * row.probs.get(i, 0.0) for row in rows) for i in [*range(len(cfg.routes)), -1]}
+    return Plan(
+        rules=tuple(cfg.routes),
+        arch=spec,
+        gate=cfg.gate,
+        batch_size=batch_size,
+        flop_model=model,
+        buckets=rows,
+        probs=overall,
+        fallback=sum(row.weight * row.fallback for row in rows),
+        token_saving=predicted_saving(hist_run, hist_native),
+        flop_saving=predicted_saving(hist_run, hist_native, model),
+        never_routing=[row.latent_hw for row in rows if row.routed <= 1e-12],
+    )
+
+
+def _pct(x: float) -> str:
+    return f"{100.0 * x:.1f} %"
+
+
+def _px(hw: tuple[int, int], arch: ArchSpec) -> str:
+    return f"{hw[1] * arch.vae_factor}x{hw[0] * arch.vae_factor}"
+
+
+def format_plan(plan: Plan, sampler_text: str = "") -> str:
+    """The console table ``python -m downscale_plugin plan`` prints."""
+    arch = plan.arch
+    labels = [f"r{i} {r.label}" for i, r in enumerate(plan.rules)]
+    lines = [
+        f"router: gate {plan.gate}, batch size {plan.batch_size}, arch {arch.name}"
+        + (f", σ sampler {sampler_text}" if sampler_text else "")
+    ]
+    lines.append(f"  {'#':<4}{'route':<14}{'window':<16}{'span':<12}{'fires':>9}")
+    for i, r in enumerate(plan.rules):
+        lines.append(f"  r{i:<3}{r.label:<14}{r.window_text():<16}{str(r.span or '-'):<12}{_pct(plan.probs[i]):>9}")
+    lines.append(f"  {'native':<46}{_pct(plan.probs[-1]):>9}")
+    if plan.fallback >= 5e-4:
+        lines.append(f"  (native includes {_pct(plan.fallback)} of steps falling back after exhausting redraws)")
+    lines.append("")
+    lines.append("per bucket (pixels W x H, latent h x w, image tokens; per route: target latent and probability):")
+    width = max(20, *(len(s) + 2 for s in labels))
+    header = f"  {'bucket':<11}{'latent':<10}{'tokens':>7}  " + "".join(f"{s:<{width}}" for s in labels)
+    lines.append(header + f"{'native':>8}{'tokens saved':>14}{'FLOPs saved':>13}")
+    for row in plan.buckets:
+        cells = ""
+        for i in range(len(plan.rules)):
+            t = row.targets.get(i)
+            cells += f"{(f'{t[0]}x{t[1]} {_pct(row.probs[i])}' if t else '-'):<{width}}"
+        lines.append(
+            f"  {_px(row.latent_hw, arch):<11}{f'{row.latent_hw[0]}x{row.latent_hw[1]}':<10}{row.tokens[-1]:>7}  {cells}"
+            f"{_pct(row.probs[-1]):>8}{_pct(row.token_saving):>14}{_pct(row.flop_saving):>13}"
+        )
+    lines.append("")
+    lines.append(
+        f"overall ({len(plan.buckets)} buckets, weighted): routed {_pct(1.0 - plan.probs[-1])} of steps, "
+        f"tokens saved {_pct(plan.token_saving)}, FLOPs saved {_pct(plan.flop_saving)}"
+    )
+    if plan.never_routing:
+        lines.append(f"never routing ({len(plan.never_routing)}): " + ", ".join(_px(hw, arch) for hw in plan.never_routing))
+    return "\n".join(lines)

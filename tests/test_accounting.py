@@ -1,0 +1,168 @@
+import pytest
+import torch
+
+from downscale_plugin.accounting import FLOP_PRESETS, Accounting, FlopModel, StepRecord, predicted_saving, route_histogram
+from downscale_plugin.config import RouteRule
+from downscale_plugin.router import RouteDecision
+
+RULES = (RouteRule(0.65, 0.95, native=1024, target=768), RouteRule(0.5, None, native=1024, target=896))
+
+
+def _macs_per_block(n: int, hidden: int, mlp_ratio: float) -> float:
+    """Multiply-accumulates of one pre-norm transformer block on n tokens, counted matmul by matmul."""
+    qkv = 3 * n * hidden * hidden
+    scores = n * n * hidden  # QKᵀ over all heads
+    mix = n * n * hidden  # AV
+    out = n * hidden * hidden
+    mlp = 2 * n * hidden * int(mlp_ratio * hidden)
+    return qkv + scores + mix + out + mlp
+
+
+def test_flop_model_coefficients_come_from_the_shape():
+    m = FlopModel(hidden=64, depth=3, mlp_ratio=4.0, text_tokens=7)
+    assert m.a == 2 * 3 * 64**2 * (4 + 8)
+    assert m.b == 4 * 3 * 64
+    for n_img in (1, 50, 300):
+        n = n_img + 7
+        assert m.flops(n_img) == pytest.approx(2 * 3 * _macs_per_block(n, 64, 4.0))
+    assert FlopModel(64, 3, attention=False).flops(100) == pytest.approx(FlopModel(64, 3).a * 100)
+
+
+def test_flux_preset_is_57_blocks_of_3072():
+    m = FLOP_PRESETS["flux"]
+    assert (m.hidden, m.depth, m.text_tokens) == (3072, 57, 512)
+    assert m.a == 2 * 57 * 3072**2 * 12
+    assert {"flux", "chroma", "sd3", "sd3_large", "lumina", "anima", "hunyuan_image", "sdxl", "sd1"} <= set(FLOP_PRESETS)
+    assert FLOP_PRESETS["sdxl"].b == 0 and FLOP_PRESETS["sd1"].b == 0
+
+
+def test_predicted_saving_of_a_known_histogram():
+    m = FlopModel(hidden=128, depth=2)
+    hist = {4096: 50.0, 2304: 30.0, 3136: 20.0}
+    native = {4096: 100.0}
+    expected = 1 - (50 * m.flops(4096) + 30 * m.flops(2304) + 20 * m.flops(3136)) / (100 * m.flops(4096))
+    assert predicted_saving(hist, native, m) == pytest.approx(expected)
+    assert predicted_saving(hist, native) == pytest.approx(1 - (50 * 4096 + 30 * 2304 + 20 * 3136) / 409600)
+    # Quadratic attention makes the FLOP saving larger than the token saving.
+    assert predicted_saving(hist, native, m) > predicted_saving(hist, native)
+    assert route_histogram({-1: 0.5, 0: 0.3, 1: 0.2}, {-1: 4096, 0: 2304, 1: 3136}, weight=100) == pytest.approx(hist)
+
+
+def _rec(step, rule_index, n=4, loss=None, fallback=None, resampled=0):
+    tokens_run = {-1: 4096, 0: 2304, 1: 3136}[rule_index]
+    label = "native" if rule_index < 0 else RULES[rule_index].label
+    return StepRecord(step, rule_index, label, [0.5] * n, 4096, tokens_run, resampled, fallback, loss)
+
+
+def _filled(model=None, records=None, **kwargs):
+    acc = Accounting(RULES, model, {-1: 0.5, 0: 0.266, 1: 0.234}, **kwargs)
+    for rec in records if records is not None else _steps():
+        acc.record(rec)
+    return acc
+
+
+def _steps():
+    routes = [-1, -1, 0, 1, -1, 0, -1, 1, -1, -1]
+    return [_rec(i + 1, r, loss=0.1 * (r + 2), fallback="exhausted" if i == 4 else None, resampled=i % 3) for i, r in enumerate(routes)]
+
+
+def test_accounting_fractions_histogram_and_saving():
+    m = FlopModel(hidden=128, depth=2)
+    acc = _filled(m, predicted_flop_saving=0.2)
+    assert acc.fractions() == pytest.approx({-1: 0.6, 0: 0.2, 1: 0.2})
+    assert acc.demote_fraction() == pytest.approx(0.4)
+    assert acc.fallbacks["exhausted"] == 1
+    assert acc.hist_run == {4096: 24.0, 2304: 8.0, 3136: 8.0}
+    assert acc.flop_saving() == pytest.approx(predicted_saving(acc.hist_run, acc.hist_native, m))
+    assert acc.token_saving() == pytest.approx(predicted_saving(acc.hist_run, acc.hist_native))
+    s = acc.scalars()
+    assert s["downscale/frac/r0_1024-768"] == pytest.approx(0.2)
+    assert s["downscale/frac_pred/native"] == pytest.approx(0.5)
+    assert s["downscale/demote_frac_pred"] == pytest.approx(0.5)
+    assert s["downscale/loss/r1_1024-896"] == pytest.approx(0.3)
+    assert s["downscale/loss/native"] == pytest.approx(0.1)
+    assert s["downscale/flop_saving_pred"] == 0.2
+    assert s["downscale/fallback/exhausted"] == 1
+    assert s["downscale/resampled_frac"] == pytest.approx(sum(i % 3 for i in range(10)) / 40)
+    assert all(isinstance(v, float) for v in s.values())
+    text = acc.summary_text()
+    assert "r0 1024:768" in text and "exhausted 1" in text and "FLOP saving" in text and "predicted 50.0 %" in text
+
+
+def test_loss_reported_after_the_step_goes_to_the_last_route():
+    acc = Accounting(RULES, loss_window=2)
+    acc.record(_rec(1, 0))
+    acc.record_loss(1.0)
+    acc.record(_rec(2, -1))
+    acc.record_loss(3.0)
+    for loss in (2.0, 4.0, 6.0):
+        acc.record(_rec(3, 0))
+        acc.record_loss(loss)
+    s = acc.scalars()
+    assert s["downscale/loss/r0_1024-768"] == pytest.approx(5.0)  # window of the last two
+    assert s["downscale/loss/native"] == pytest.approx(3.0)
+    assert "downscale/loss/r1_1024-896" not in s
+    assert acc.loss_sum[0] / acc.loss_count[0] == pytest.approx(13.0 / 4)
+
+
+def test_unknown_fallback_reason_counts_as_other():
+    acc = Accounting(RULES)
+    acc.record(_rec(1, -1, fallback="something new"))
+    assert acc.fallbacks == {"exhausted": 0, "other": 1}
+
+
+def _assert_same(x: Accounting, y: Accounting) -> None:
+    sx, sy = x.state(), y.state()
+    assert sx.keys() == sy.keys()
+    for key in sx:
+        mine, theirs = sx[key], sy[key]
+        if key == "window":
+            mine, theirs = [v for pair in mine for v in pair], [v for pair in theirs for v in pair]
+        assert mine == pytest.approx(theirs), key
+    assert x.scalars() == pytest.approx(y.scalars())
+
+
+def test_merge_equals_one_accounting_of_all_steps():
+    m = FlopModel(hidden=64, depth=2)
+    steps = _steps()
+    a, b = _filled(m, steps[:4]), _filled(m, steps[4:])
+    a.merge(b.state())
+    _assert_same(a, _filled(m, steps))
+
+
+def test_reduce_sums_ranks_through_the_hook():
+    m = FlopModel(hidden=64, depth=2)
+    steps = _steps()
+    vocab = Accounting.vocabulary([(128, 128)], RULES, "flux", 0.1)
+    assert vocab == [2304, 3136, 4096]
+    ranks = [_filled(m, steps[:3], token_values=vocab), _filled(m, steps[3:], token_values=vocab)]
+    vectors = [torch.tensor(r._vector(), dtype=torch.float64) for r in ranks]
+    seen = []
+
+    def all_reduce(t: torch.Tensor) -> torch.Tensor:
+        seen.append(t.dtype)
+        return sum(vectors)
+
+    out = ranks[0].reduced(all_reduce)
+    assert seen == [torch.float64]
+    assert out.histogram_complete
+    _assert_same(out, _filled(m, steps, token_values=vocab))
+    assert out.summary_text() == _filled(m, steps).summary_text()
+
+
+def test_reduce_flags_a_histogram_outside_the_layout():
+    acc = _filled(token_values=[4096])
+    out = acc.reduced(lambda t: t)
+    assert not out.histogram_complete
+    assert out.hist_run == acc.hist_run
+    assert out.fractions() == acc.fractions()
+    assert "this rank only" in out.summary_text()
+
+
+def test_record_from_a_router_decision():
+    d = RouteDecision(0, RULES[0], torch.tensor([0.7, 0.8]), (96, 96), resampled=1)
+    rec = StepRecord.from_decision(5, d, (128, 128), "flux", loss=0.25)
+    assert (rec.rule_index, rec.route, rec.tokens_native, rec.tokens_run, rec.resampled) == (0, "1024:768", 4096, 2304, 1)
+    assert rec.sigmas == pytest.approx([0.7, 0.8])
+    native = StepRecord.from_decision(6, RouteDecision(-1, None, torch.tensor([0.1]), None, fallback="exhausted"), (128, 128), "flux")
+    assert (native.rule_index, native.route, native.tokens_run, native.fallback) == (-1, "native", 4096, "exhausted")

@@ -1,0 +1,209 @@
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from downscale_plugin import cli
+from downscale_plugin.sigma import SigmaSampler
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+TRAIN = """
+    pretrained_model_name_or_path = "flux1-dev.safetensors"
+    network_module = "downscale_plugin"
+    network_args = ["ds_seed=7"]
+
+    [training]
+    train_batch_size = 4
+    resolution = "1024,1024"
+    timestep_sampling = "sigmoid"
+
+    [plugins.downscale]
+    gate = "coupled"
+
+    [[plugins.downscale.routes]]
+    route = "1024:768"
+    sigma_min = 0.65
+    sigma_max = 0.95
+
+    [[plugins.downscale.routes]]
+    route = "1024:896"
+    sigma_min = 0.5
+    span = "late:0.75"
+"""
+
+PLUGIN = """
+    gate = "strict"
+    arch = "flux"
+
+    [[routes]]
+    route = "1024:896"
+    sigma_min = 0.5
+"""
+
+
+def _write(tmp_path, name, text):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(text))
+    return str(path)
+
+
+def _run(capsys, *argv):
+    code = cli.main(list(argv))
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_check_a_training_toml(tmp_path, capsys):
+    code, out, err = _run(capsys, "check", "--config_file", _write(tmp_path, "train.toml", TRAIN))
+    assert code == 0, err
+    assert "config OK" in out and "network_args, plugins.downscale" in out
+    assert "gate coupled" in out and "seed 7" in out
+    assert "r0  1024:768      (0.65, 0.95)" in out
+    assert "r1  1024:896      (0.5, 1]        late:0.75" in out
+    assert len(out.splitlines()) < 25
+
+
+def test_check_a_plugin_toml(tmp_path, capsys):
+    code, out, _ = _run(capsys, "check", "--config", _write(tmp_path, "plugin.toml", PLUGIN))
+    assert code == 0
+    assert "gate strict" in out and "arch flux" in out and "1024:896" in out
+
+
+def test_check_lists_every_problem_without_a_traceback(tmp_path, capsys):
+    bad = """
+        network_args = ["ds_gate=strictly"]
+
+        [plugins.downscale]
+        gaet = "coupled"
+
+        [[plugins.downscale.routes]]
+        route = "1024:768"
+        sigma_min = 0.9
+        sigma_max = 0.6
+
+        [[plugins.downscale.routes]]
+        route = "768:1024"
+        sigma_min = 0.5
+    """
+    code, out, err = _run(capsys, "check", "--config_file", _write(tmp_path, "bad.toml", bad))
+    assert code == 2 and out == ""
+    assert "Traceback" not in err
+    assert "gate: 'strictly' is not allowed" in err and "did you mean 'strict'" in err
+    assert "gaet: unknown key; did you mean 'gate'" in err
+    assert "routes[0].sigma_max: 0.6 must be greater than sigma_min" in err
+    assert "routes[1].route" in err
+    assert err.count("\n  - ") == 4
+
+
+@pytest.mark.parametrize(
+    "text,message",
+    [
+        ("[downscale]\ngate = 'strict'\n", "put the plugin's keys under [plugins.downscale]"),
+        ("[plugins.downscale\n", "is not valid TOML"),
+        ("[plugins.downscale]\nenable = true\n", "at least one route is required"),
+    ],
+)
+def test_check_rejects(tmp_path, capsys, text, message):
+    code, _, err = _run(capsys, "check", "--config_file", _write(tmp_path, "t.toml", text))
+    assert code == 2 and message in err
+
+
+def test_check_missing_file_and_missing_option(tmp_path, capsys):
+    code, _, err = _run(capsys, "check", "--config", str(tmp_path / "nope.toml"))
+    assert code == 2 and "file not found" in err
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["check"])
+    assert exc.value.code == 2
+
+
+def test_plan_prints_the_probabilities(tmp_path, capsys):
+    s = SigmaSampler("sigmoid")
+    deep, high = s.mass(0.65, 0.95, (128, 128)), s.mass(0.5, None, (128, 128))
+    path = _write(tmp_path, "train.toml", TRAIN)
+    code, out, err = _run(capsys, "plan", "--config_file", path, "--arch", "flux", "--max_train_steps", "1000")
+    assert code == 0, err
+    assert "timestep_sampling sigmoid (toml)" in out and "batch_size 4 (toml)" in out
+    assert "one bucket 1024x1024" in out and "spans over 1000 train forwards" in out
+    # late:0.75 on r1: the first quarter of the run has r0 alone.
+    r1 = 0.75 * (high - deep)
+    assert f"{100 * deep:.1f} %" in out and f"{100 * r1:.1f} %" in out
+    assert f"{100 * (1 - deep - r1):.1f} %" in out
+    assert "FLOPs saved" in out and "never routing" not in out
+
+
+def test_plan_flags_override_the_toml_and_buckets(tmp_path, capsys):
+    path = _write(tmp_path, "train.toml", TRAIN)
+    argv = ["plan", "--config_file", path, "--arch", "flux", "--batch_size", "4", "--timestep_sampling", "uniform"]
+    code, out, _ = _run(capsys, *argv, "--bucket", "1024x1024:3", "--bucket", "512x512")
+    assert code == 0
+    assert "timestep_sampling uniform (flag)" in out and "2 bucket(s) from --bucket" in out
+    assert "never routing (1): 512x512" in out
+    # Uniform σ: in the 1024 bucket r0 fires with probability 0.3, r1 with 0.2 while active (3/4);
+    # that bucket has 3 of 4 steps.
+    lines = {line.split()[0]: line for line in out.splitlines() if line.strip()}
+    assert float(lines["r0"].split()[-2]) == pytest.approx(22.5, abs=0.051)
+    assert float(lines["r1"].split()[-2]) == pytest.approx(11.25, abs=0.051)
+
+
+def test_plan_generates_sd_scripts_buckets(tmp_path, capsys):
+    code, out, _ = _run(capsys, "plan", "--config", _write(tmp_path, "p.toml", PLUGIN), "--enable_bucket", "--mc_samples", "20000")
+    assert code == 0
+    assert "25 sd-scripts buckets for 1024x1024" in out
+    assert "sigma: uniform density on the shift-3 scheduler grid (Monte Carlo)" in out
+    assert "never routing (18)" in out
+
+
+@pytest.mark.parametrize(
+    "arch,expected",
+    [
+        ("sdxl", "DDPM t uniform on [0, 1000)"),
+        ("sd3", "uniform density, training_shift 1"),
+        ("lumina", "shift (scale 1, shift 6)"),
+        ("anima", "sigmoid (scale 1)"),
+        ("hunyuan_image", "shift-5 scheduler grid"),
+    ],
+)
+def test_plan_uses_each_trainers_default_sampler(tmp_path, capsys, arch, expected):
+    path = _write(tmp_path, "p.toml", PLUGIN.replace('arch = "flux"', ""))
+    code, out, err = _run(capsys, "plan", "--config", path, "--arch", arch, "--mc_samples", "20000")
+    assert code == 0, err
+    assert expected in out
+
+
+def test_plan_needs_an_arch(tmp_path, capsys):
+    path = _write(tmp_path, "p.toml", PLUGIN.replace('arch = "flux"', ""))
+    code, _, err = _run(capsys, "plan", "--config", path)
+    assert code == 2 and "pass --arch" in err and "hunyuan_image" in err
+
+
+def test_plan_reports_bad_host_values(tmp_path, capsys):
+    path = _write(tmp_path, "p.toml", PLUGIN)
+    code, _, err = _run(capsys, "plan", "--config", path, "--bucket", "1020x1024")
+    assert code == 2 and "multiples of flux's VAE factor 8" in err
+    code, _, err = _run(capsys, "plan", "--config", path, "--resolution", "big")
+    assert code == 2 and "resolution: 'big'" in err
+    code, _, err = _run(capsys, "plan", "--config", path, "--enable_bucket", "--bucket_reso_steps", "0")
+    assert code == 2 and "bucket_reso_steps (0) > 0" in err
+
+
+def test_commands_register_from_other_modules(monkeypatch):
+    assert {"check", "plan"} <= set(cli.COMMANDS) and not {"demo", "map", "snr"} & set(cli.COMMANDS)
+    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+    seen = []
+    cli.register("snr", "test command", lambda p: p.add_argument("--x", type=int), lambda a: seen.append(a.x) or 3)
+    assert cli.main(["snr", "--x", "5"]) == 3 and seen == [5]
+    with pytest.raises(ValueError):
+        cli.register("snr", "again", lambda p: None, lambda a: 0)
+
+
+def test_module_entry_point(tmp_path):
+    env = dict(os.environ, PYTHONPATH=ROOT + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    bad = _write(tmp_path, "bad.toml", "[plugins.downscale]\ngate = 'nope'\n")
+    proc = subprocess.run(
+        [sys.executable, "-m", "downscale_plugin", "check", "--config_file", bad], capture_output=True, text=True, env=env, cwd=ROOT
+    )
+    assert proc.returncode == 2
+    assert "gate: 'nope' is not allowed" in proc.stderr and "Traceback" not in proc.stderr

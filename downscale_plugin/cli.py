@@ -1,4 +1,4 @@
-"""``python -m downscale_plugin <command>``: ``check`` and ``plan`` here; other modules add more.
+"""Command line of downscale-plugin: check and plan here; other modules register more commands.
 
 A command is one :func:`register` call (name, help, add_arguments, run) made when its module is
 imported; list that module in :data:`EXTENSIONS` and ``main`` imports it before parsing.
@@ -30,7 +30,7 @@ class Command:
 COMMANDS: dict[str, Command] = {}
 
 # Modules whose import registers further commands (e.g. demo, map, snr).
-EXTENSIONS: tuple[str, ...] = ()
+EXTENSIONS: tuple[str, ...] = ("downscale_plugin.fasterdit.cli",)
 
 
 def register(
@@ -42,7 +42,7 @@ def register(
     COMMANDS[name] = Command(help, add_arguments, run)
 
 
-def _fail(problems: Sequence[str]) -> int:
+def fail(problems: Sequence[str]) -> int:
     print(f"downscale_plugin: {len(problems)} problem(s):", file=sys.stderr)
     for p in problems:
         print(f"  - {p}", file=sys.stderr)
@@ -52,13 +52,13 @@ def _fail(problems: Sequence[str]) -> int:
 # -- config -------------------------------------------------------------------------------------
 
 
-def _add_config_arguments(parser: argparse.ArgumentParser) -> None:
+def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--config_file", metavar="TRAIN_TOML", help="sd-scripts training TOML ([plugins.downscale] and/or network_args)")
     group.add_argument("--config", metavar="PLUGIN_TOML", help="plugin TOML, the plugin's keys at top level")
 
 
-def _load(args: argparse.Namespace) -> tuple[DownscaleConfig, dict[str, Any], str]:
+def load_cli_config(args: argparse.Namespace) -> tuple[DownscaleConfig, dict[str, Any], str]:
     """(config, flattened training TOML or {}, the path read)."""
     if args.config_file:
         cfg, host = config_from_training_toml(args.config_file)
@@ -77,9 +77,9 @@ def _routes_text(cfg: DownscaleConfig) -> list[str]:
 
 def _run_check(args: argparse.Namespace) -> int:
     try:
-        cfg, _, path = _load(args)
+        cfg, _, path = load_cli_config(args)
     except ConfigError as err:
-        return _fail(err.problems)
+        return fail(err.problems)
     sources = ", ".join(cfg.sources) or "defaults"
     print(f"config OK: {path} (sources, highest first: {sources})")
     seed = cfg.seed if cfg.seed is not None else "the run's --seed"
@@ -117,7 +117,7 @@ _SAMPLER_KNOBS = (
 )
 
 
-class _Host:
+class HostArgs:
     """Host knobs: flag, else training TOML, else the default; remembers each value and its origin."""
 
     def __init__(self, args: argparse.Namespace, toml: Mapping[str, Any]):
@@ -146,7 +146,7 @@ class _Host:
         return ", ".join(f"{n} {self.used[n][0]} ({self.used[n][1]})" for n in names if n in self.used)
 
 
-def _density(host: _Host) -> dict[str, Any]:
+def _density(host: HostArgs) -> dict[str, Any]:
     """The scheduler-grid path's density knobs (``compute_density_for_timestep_sampling``)."""
     scheme = host.get("weighting_scheme", "uniform")
     if scheme not in DENSITY_SCHEMES:
@@ -159,7 +159,7 @@ def _density(host: _Host) -> dict[str, Any]:
     }
 
 
-def host_sampler(arch: str, host: _Host) -> tuple[Sampler, str]:
+def host_sampler(arch: str, host: HostArgs) -> tuple[Sampler, str]:
     """The σ sampler the arch's sd-scripts trainer uses with these knobs, and a description."""
     if arch in ("sdxl", "sd1"):
         lo, hi = host.get("min_timestep", 0, int), host.get("max_timestep", 1000, int)
@@ -219,7 +219,7 @@ def _bucket(text: str) -> tuple[int, int, float]:
 
 
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_config_arguments(parser)
+    add_config_arguments(parser)
     host = parser.add_argument_group("host (default: the training TOML, else sd-scripts' default for the arch)")
     host.add_argument("--arch", choices=ARCH_NAMES, help="architecture (default: the config's arch)")
     host.add_argument("--timestep_sampling", help=f"flow trainers' σ sampler ({', '.join(CLOSED_FORM_MODES)}, sigma, ...)")
@@ -244,7 +244,7 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mc_samples", type=int, default=200_000, help="Monte-Carlo draws per bucket for samplers without a closed form")
 
 
-def _buckets(args: argparse.Namespace, host: _Host, arch: str) -> tuple[list[tuple[int, int]], list[float], str]:
+def _buckets(args: argparse.Namespace, host: HostArgs, arch: str) -> tuple[list[tuple[int, int]], list[float], str]:
     """Latent (h, w) buckets, their weights, and a line saying where they came from."""
     spec = get_arch(arch)
     if args.bucket:
@@ -272,11 +272,11 @@ def _buckets(args: argparse.Namespace, host: _Host, arch: str) -> tuple[list[tup
 
 def _run_plan(args: argparse.Namespace) -> int:
     try:
-        cfg, toml, path = _load(args)
+        cfg, toml, path = load_cli_config(args)
         arch = args.arch or cfg.arch
         if arch is None:
             raise ConfigError([f"arch: unknown; pass --arch or set arch in the config (allowed: {', '.join(ARCH_NAMES)})"])
-        host = _Host(args, toml)
+        host = HostArgs(args, toml)
         sampler, sampler_text = host_sampler(arch, host)
         batch_size = host.get("batch_size", 1, int, toml_key="train_batch_size")
         buckets, weights, bucket_note = _buckets(args, host, arch)
@@ -285,7 +285,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         if batch_size < 1 or args.mc_samples < 1:
             raise ConfigError([f"batch_size ({batch_size}) and --mc_samples ({args.mc_samples}) must be at least 1"])
     except ConfigError as err:
-        return _fail(err.problems)
+        return fail(err.problems)
     if not cfg.enable:
         print(f"{path}: routing is off (enable = false): every step runs native")
         return 0
@@ -304,7 +304,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-register("check", "validate a config and print its routes (exit 2 listing every problem)", _add_config_arguments, _run_check)
+register("check", "validate a config and print its routes (exit 2 listing every problem)", add_config_arguments, _run_check)
 register("plan", "predict route frequencies and savings for the host's σ sampler and buckets", _add_plan_arguments, _run_plan)
 
 

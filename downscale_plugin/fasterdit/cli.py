@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import _add_config_arguments, _fail, _Host, _load, host_sampler, register
+from ..cli import HostArgs, add_config_arguments, fail, host_sampler, load_cli_config, register
 from ..config import ARCH_NAMES, ConfigError
 from ..grid import get_arch
 from ..sigma import CLOSED_FORM_MODES, DENSITY_SCHEMES
@@ -21,7 +21,7 @@ from .snr_report import build_report, format_report, plot_report
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    _add_config_arguments(parser)
+    add_config_arguments(parser)
     data = parser.add_mutually_exclusive_group(required=True)
     data.add_argument("--latents", metavar="DIR", help="directory of cached sd-scripts latents (*.npz, keys latents[_HxW])")
     data.add_argument("--lab", action="store_true", help="the lab corpus (downscale_plugin.lab.data)")
@@ -52,11 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     try:
-        cfg, toml, path = _load(args)
+        cfg, toml, path = load_cli_config(args)
         arch_name = args.arch or cfg.arch
         if arch_name is None:
             raise ConfigError([f"arch: unknown; pass --arch or set arch in the config (allowed: {', '.join(ARCH_NAMES)})"])
-        sampler, sampler_text = host_sampler(arch_name, _Host(args, toml))
+        sampler, sampler_text = host_sampler(arch_name, HostArgs(args, toml))
         arch = get_arch(arch_name)
         if args.lab:
             source, source_text = lab_latents(args.lab_per_bucket, args.seed), f"lab corpus, {args.lab_per_bucket} per bucket"
@@ -68,9 +68,9 @@ def run(args: argparse.Namespace) -> int:
         stds = measure_stds(source, cfg.routes, arch, cfg.tier_tolerance, scale)
         report = build_report(stds, sampler, arch, args.sigma_policy, args.samples, args.bins, args.seed)
     except ConfigError as err:
-        return _fail(err.problems)
+        return fail(err.problems)
     except (OSError, ValueError) as err:
-        return _fail([str(err)])
+        return fail([str(err)])
     print(f"config: {path}")
     print(format_report(report, stds, sampler_text, f"{source_text} (× {scale:g})"))
     plot_report(report, args.out)

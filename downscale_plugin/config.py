@@ -47,15 +47,16 @@ class Span:
 
     ``early:f`` fires on forwards ``idx <= cut(f)``, ``late:f`` on ``idx > cut(1 - f)`` with the
     same rounding, so ``early:f`` and ``late:1-f`` partition ``[1, T]`` exactly. ``spread:p`` is a
-    coin with probability p that is a pure function of (seed, idx).
+    coin with probability p that is a pure function of (seed, idx, stream); the router gives each
+    rule its own stream so two spread rules flip independent coins.
     """
 
     mode: str
     frac: float
 
-    def active(self, idx: int, total: int, seed: int) -> bool:
+    def active(self, idx: int, total: int, seed: int, stream: int = 0) -> bool:
         if self.mode == "spread":
-            return random.Random(seed * 1_000_003 + idx).random() < self.frac
+            return random.Random((seed * 1_000_003 + idx) * 1_009 + stream).random() < self.frac
         if total <= 0:
             raise ValueError(f"span {self}: the total number of train forwards is not known (got {total})")
         if self.mode == "early":
@@ -460,7 +461,8 @@ def load_config(
         _check_routes(rules, problems)
     # A routes value that was itself rejected is already reported; "no routes" would mislead.
     routes_rejected = any(
-        "routes" in (raw or {}) and "routes" not in src for raw, src in ((network_args, args_src), (table, table_src), (plugin_toml, file_src))
+        "routes" in (raw or {}) and "routes" not in src
+        for raw, src in ((network_args, args_src), (table, table_src), (plugin_toml, file_src))
     )
     if merged.get("enable", True) and not raw_routes and not routes_rejected:
         problems.append(

@@ -136,7 +136,11 @@ class Router:
     def active(self, latent_hw: tuple[int, int], step: int) -> tuple[_Active, ...]:
         """Eligible rules whose span is active at this step (``step`` is 1-based, this run)."""
         idx = self.resume_offset + step
-        return tuple(a for a in self.eligible(latent_hw) if a.rule.span is None or a.rule.span.active(idx, self.total_forwards, self.seed))
+        return tuple(
+            a
+            for a in self.eligible(latent_hw)
+            if a.rule.span is None or a.rule.span.active(idx, self.total_forwards, self.seed, stream=a.index)
+        )
 
     @staticmethod
     def categories(sigmas: torch.Tensor, active: Sequence[_Active]) -> torch.Tensor:

@@ -1,0 +1,298 @@
+"""Grid rule, area downsampling and the σ axis (DDPM t ↔ flow σ, host σ samplers and their CDFs)."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+from scipy import stats
+
+from downscale_plugin.config import RouteRule
+from downscale_plugin.grid import ARCHS, area_downsample, eligibility_table, rule_ratio, sd_scripts_buckets, target_grid, tokens
+from downscale_plugin.sigma import SigmaSampler, ddpm_alphas_cumprod, ddpm_t_to_sigma, flux_mu, sigma_to_ddpm_t
+
+RESOLUTIONS = (512, 768, 1024, 1280)
+RESO_STEPS = (32, 64)
+RATIOS = (0.5, 0.75, 0.875)
+
+
+def buckets(resolution: int, step: int) -> list[tuple[int, int]]:
+    """sd-scripts buckets (W, H) px, with max_bucket_reso = 2 × resolution as SDXL/Flux configs set it."""
+    return sd_scripts_buckets((resolution, resolution), min_size=256, max_size=2 * resolution, divisible=step)
+
+
+def latent(bucket_wh: tuple[int, int], vae_factor: int) -> tuple[int, int]:
+    w, h = bucket_wh
+    assert w % vae_factor == 0 and h % vae_factor == 0
+    return h // vae_factor, w // vae_factor
+
+
+def aspect_bound(h: int, w: int, ratio: float, m: int) -> float:
+    """Largest |th/tw − h/w| when each axis of (h·r, w·r) moves by at most m/2.
+
+    th/tw is extreme at (h·r ± m/2)/(w·r ∓ m/2); subtracting h/w gives (m/2)(h + w) / (w (w·r ∓ m/2)),
+    the larger of the two with the minus sign in the denominator.
+    """
+    return (m / 2) * (h + w) / (w * (w * ratio - m / 2))
+
+
+# --- sd-scripts buckets -------------------------------------------------------------------------
+
+
+def test_sd_scripts_buckets_match_host_arithmetic():
+    got = sd_scripts_buckets((1024, 1024), min_size=256, max_size=1024, divisible=64)
+    # max_bucket_reso 1024 at 1024²: every width w ≤ 1024 pairs with height 1024 (clamped).
+    expected = sorted({(w, 1024) for w in range(256, 1025, 64)} | {(1024, w) for w in range(256, 1025, 64)})
+    assert got == expected
+    sdxl = buckets(1024, 64)
+    for wh in [(1024, 1024), (832, 1216), (896, 1152), (768, 1344), (640, 1536), (1216, 832)]:
+        assert wh in sdxl
+    assert all(w * h <= 1024 * 1024 and w % 64 == 0 and h % 64 == 0 for w, h in sdxl)
+
+
+# --- the grid rule over every real bucket, arch and ratio ----------------------------------------
+
+
+@pytest.mark.parametrize("ratio", RATIOS, ids=lambda r: f"r{r:g}")
+@pytest.mark.parametrize("arch", sorted(ARCHS), ids=str)
+@pytest.mark.parametrize("step", RESO_STEPS, ids=lambda s: f"steps{s}")
+@pytest.mark.parametrize("resolution", RESOLUTIONS, ids=lambda r: f"res{r}")
+def test_target_grid_over_real_buckets(resolution, step, arch, ratio):
+    spec = ARCHS[arch]
+    m = spec.multiple
+    for bucket in buckets(resolution, step):
+        h, w = latent(bucket, spec.vae_factor)
+        target = target_grid((h, w), ratio, spec)
+        assert target is not None, (bucket, arch, ratio)  # every real bucket can shrink by ≤ 0.875
+        th, tw = target
+        assert th % m == 0 and tw % m == 0, (bucket, target)
+        assert th * tw < h * w, (bucket, target)
+        assert 0 < th <= h and 0 < tw <= w, (bucket, target)
+        # each axis is the nearest multiple of m to the exact scaled size
+        assert abs(th - h * ratio) <= m / 2 + 1e-9 and abs(tw - w * ratio) <= m / 2 + 1e-9, (bucket, target)
+        assert abs(th / tw - h / w) <= aspect_bound(h, w, ratio, m) + 1e-12, (bucket, target)
+        assert tokens((th, tw), spec) < tokens((h, w), spec), (bucket, target)
+
+
+@pytest.mark.parametrize(
+    ("arch", "latent_hw", "ratio"),
+    [
+        pytest.param("sdxl", (4, 4), 0.75, id="sdxl-rounds-back-to-native"),
+        pytest.param("sdxl", (7, 7), 0.875, id="sdxl-rounds-up-past-native"),
+        pytest.param("flux", (2, 2), 0.5, id="flux-vanishes"),
+        pytest.param("flux", (2, 4), 0.875, id="flux-both-axes-round-back"),
+        pytest.param("sd1", (1, 1), 0.5, id="sd1-single-pixel"),
+        pytest.param("hunyuan_image", (4, 4), 0.875, id="hunyuan-rounds-back"),
+    ],
+)
+def test_ineligible_bucket_has_no_target(arch, latent_hw, ratio):
+    assert target_grid(latent_hw, ratio, ARCHS[arch]) is None
+
+
+def test_eligibility_table_reasons():
+    rules = (RouteRule(0.5, 0.9, native=1024, target=768), RouteRule(0.2, 0.4, scale=0.75))
+    table = eligibility_table([(128, 128), (96, 96), (4, 4)], rules, ARCHS["sdxl"], 0.1)
+    (a, b), (c, d), (e, f) = table
+    assert (a.target_hw, b.target_hw) == ((96, 96), (96, 96)) and a.eligible and a.reason == ""
+    assert not c.eligible and "1024 px tier" in c.reason and d.target_hw == (72, 72)
+    assert not e.eligible and not f.eligible and "multiple of 4" in f.reason
+
+
+# --- tiers --------------------------------------------------------------------------------------
+
+RULE_1024_768 = RouteRule(0.5, None, native=1024, target=768)
+SDXL_1024_BUCKETS = [(1024, 1024), (832, 1216), (1216, 832), (896, 1152), (1152, 896), (768, 1344), (1344, 768), (640, 1536)]
+
+
+@pytest.mark.parametrize("arch", sorted(ARCHS), ids=str)
+def test_tier_matching(arch):
+    spec = ARCHS[arch]
+    for bucket in SDXL_1024_BUCKETS:
+        assert rule_ratio(RULE_1024_768, latent(bucket, spec.vae_factor), spec, 0.1) == 0.75, bucket
+    for step in RESO_STEPS:
+        for resolution in (512, 768):
+            for bucket in buckets(resolution, step):
+                if bucket[0] % spec.vae_factor or bucket[1] % spec.vae_factor:
+                    continue
+                assert rule_ratio(RULE_1024_768, latent(bucket, spec.vae_factor), spec, 0.1) is None, bucket
+    # a 1024² run's extreme, clamped buckets have a smaller area (edge √(256·2048) ≈ 724 px): not in the tier
+    assert rule_ratio(RULE_1024_768, latent((256, 2048), spec.vae_factor), spec, 0.1) is None
+    assert rule_ratio(RULE_1024_768, latent((256, 2048), spec.vae_factor), spec, 0.3) == 0.75
+
+
+def test_tier_tolerance_edges():
+    flux = ARCHS["flux"]
+    # edge = √(h·w)·8 px; within 10 % of 1024 is [921.6, 1126.4]
+    assert rule_ratio(RULE_1024_768, (116, 116), flux, 0.1) == 0.75  # 928 px
+    assert rule_ratio(RULE_1024_768, (114, 114), flux, 0.1) is None  # 912 px
+    assert rule_ratio(RULE_1024_768, (140, 140), flux, 0.1) == 0.75  # 1120 px
+    assert rule_ratio(RULE_1024_768, (142, 142), flux, 0.1) is None  # 1136 px
+    assert rule_ratio(RouteRule(0.5, None, scale=0.6), (4, 4), flux, 0.1) == 0.6  # scale: every bucket
+
+
+# --- area downsampling --------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize(
+    ("shape", "target"),
+    [
+        pytest.param((2, 16, 128, 96), (96, 72), id="4d-flux"),
+        pytest.param((1, 4, 64, 64), (32, 32), id="4d-half"),
+        pytest.param((2, 16, 3, 64, 48), (56, 42), id="5d-video"),
+    ],
+)
+def test_area_downsample_dtype_shape_and_fp32_compute(shape, target, dtype):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
+    y = area_downsample(x, target)
+    assert y.dtype == dtype
+    assert y.shape == (*shape[:-2], *target)
+    reference = F.interpolate(x.float().reshape(-1, 1, *shape[-2:]), size=target, mode="area").reshape(y.shape)
+    assert torch.equal(y, reference.to(dtype))
+
+
+def test_area_downsample_5d_is_per_frame():
+    x = torch.randn(2, 4, 5, 32, 24, generator=torch.Generator().manual_seed(2))
+    y = area_downsample(x, (16, 12))
+    for t in range(5):
+        assert torch.equal(y[:, :, t], area_downsample(x[:, :, t], (16, 12)))
+
+
+@pytest.mark.parametrize(
+    ("shape", "target"),
+    [
+        pytest.param((3, 4, 64, 64), (32, 32), id="x2"),
+        pytest.param((3, 4, 64, 96), (16, 24), id="x4"),
+        pytest.param((1, 2, 3, 64, 48), (32, 24), id="x2-5d"),
+        pytest.param((2, 4, 60, 90), (20, 30), id="x3"),
+    ],
+)
+def test_area_downsample_integer_factor_preserves_mean_exactly(shape, target):
+    # multiples of 9 below 2**24: every 2×2, 3×3 or 4×4 window average is exact in float32,
+    # so the means compare exactly
+    x = torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(3)).float() * 9
+    y = area_downsample(x, target)
+    assert torch.equal(y.double().mean(dim=(-1, -2)), x.double().mean(dim=(-1, -2)))
+
+
+def test_area_downsample_three_quarters_preserves_mean_approximately():
+    # torch's area mode at 3/4 averages overlapping 2-pixel windows: per 4-pixel group the inputs
+    # weigh (2/3, 4/3, 4/3, 2/3) on each axis. Fields constant on aligned 4×4 blocks keep their mean
+    # exactly; for unit white noise the mean moves by N(0, (19/81)/N) (Σ(u_i u_j − 1)² / N² with E[u²]=10/9).
+    gen = torch.Generator().manual_seed(4)
+    blocks = torch.randint(-8, 9, (8, 1, 16, 16), generator=gen).float()
+    x = blocks.repeat_interleave(4, -1).repeat_interleave(4, -2)
+    y = area_downsample(x, (48, 48))
+    assert torch.equal(y.double().mean(dim=(-1, -2)), x.double().mean(dim=(-1, -2)))
+
+    noise = torch.randn(512, 1, 64, 64, generator=gen) + 3.0
+    delta = area_downsample(noise, (48, 48)).double().mean(dim=(-1, -2)) - noise.double().mean(dim=(-1, -2))
+    sd = math.sqrt(19 / 81) / 64
+    assert delta.abs().max() < 5 * sd
+    assert 0.8 * sd < delta.std() < 1.2 * sd
+
+
+# --- DDPM t ↔ flow σ ----------------------------------------------------------------------------
+
+
+def test_ddpm_sigma_round_trip_and_monotone():
+    ac = ddpm_alphas_cumprod()
+    t = torch.arange(1000)
+    sigma = ddpm_t_to_sigma(t, ac)
+    assert sigma.dtype == torch.float32
+    assert torch.all(sigma[1:] > sigma[:-1])
+    assert 0 < float(sigma[0]) and float(sigma[-1]) < 1
+    assert torch.equal(sigma_to_ddpm_t(sigma, ac), t)
+    # midpoints just off the grid go to the nearer neighbour
+    lo_side = sigma[:-1] + (sigma[1:] - sigma[:-1]) * 0.25
+    hi_side = sigma[:-1] + (sigma[1:] - sigma[:-1]) * 0.75
+    assert torch.equal(sigma_to_ddpm_t(lo_side, ac), t[:-1])
+    assert torch.equal(sigma_to_ddpm_t(hi_side, ac), t[1:])
+    assert sigma_to_ddpm_t(torch.tensor([0.0, 1.0]), ac).tolist() == [0, 999]
+
+
+def test_ddpm_sigma_is_equal_snr():
+    # diffusers' scaled_linear schedule, computed independently in numpy float64
+    betas = np.linspace(0.00085**0.5, 0.012**0.5, 1000, dtype=np.float64) ** 2
+    ac = np.cumprod(1.0 - betas)
+    sigma = ddpm_t_to_sigma(torch.arange(1000), ddpm_alphas_cumprod()).double().numpy()
+    # the flow x_σ = (1−σ)x + σε has SNR ((1−σ)/σ)²; DDPM's is ᾱ/(1−ᾱ)
+    np.testing.assert_allclose(((1 - sigma) / sigma) ** 2, ac / (1 - ac), rtol=2e-6)
+
+
+# --- host σ samplers ----------------------------------------------------------------------------
+
+
+def test_flux_mu_endpoints():
+    assert flux_mu((32, 32)) == pytest.approx(0.5)  # 256 packed tokens
+    assert flux_mu((128, 128)) == pytest.approx(1.15)  # 4096 packed tokens
+
+
+CLOSED_FORM = [
+    pytest.param(SigmaSampler("uniform"), (128, 128), id="uniform"),
+    pytest.param(SigmaSampler("sigmoid"), (128, 128), id="sigmoid"),
+    pytest.param(SigmaSampler("sigmoid", sigmoid_scale=2.5), (128, 128), id="sigmoid-scale2.5"),
+    pytest.param(SigmaSampler("shift", discrete_flow_shift=3.0), (128, 128), id="shift3"),
+    pytest.param(SigmaSampler("shift", discrete_flow_shift=0.5, sigmoid_scale=0.7), (128, 128), id="shift0.5"),
+    pytest.param(SigmaSampler("flux_shift"), (128, 128), id="flux_shift-1024"),
+    pytest.param(SigmaSampler("flux_shift"), (64, 96), id="flux_shift-384x512"),
+]
+
+
+@pytest.mark.parametrize(("sampler", "hw"), CLOSED_FORM)
+def test_closed_form_cdf_matches_samples(sampler, hw):
+    x = sampler.sample(200_000, hw, generator=torch.Generator().manual_seed(5)).double().numpy()
+    cdf = np.vectorize(lambda v: sampler.cdf(float(v), hw))
+    assert stats.kstest(x, cdf).pvalue > 1e-3
+    # mass() agrees with the empirical window frequency
+    for lo, hi in [(0.65, 0.95), (0.5, None), (0.1, 0.3)]:
+        inside = (x > lo) & (x < hi) if hi is not None else x > lo
+        expected = sampler.mass(lo, hi, hw)
+        assert abs(inside.mean() - expected) < 4 * math.sqrt(expected * (1 - expected) / len(x)) + 1e-9
+
+
+@pytest.mark.parametrize(("sampler", "hw"), CLOSED_FORM)
+def test_cdf_shape(sampler, hw):
+    grid = np.linspace(0.0, 1.0, 201)
+    values = [sampler.cdf(float(v), hw) for v in grid]
+    assert values[0] == 0.0 and values[-1] == 1.0
+    assert all(b > a for a, b in zip(values[1:-2], values[2:-1], strict=True))
+
+
+def test_flux_shift_depends_on_latent_size():
+    s = SigmaSampler("flux_shift")
+    assert s.cdf(0.5, (128, 128)) < s.cdf(0.5, (32, 32))  # more tokens, larger μ, σ pushed up
+    assert s.mass(0.65, 0.95, (128, 128)) > s.mass(0.65, 0.95, (32, 32))
+
+
+def _diffusers_flow_match_sigmas(n: int, shift: float) -> np.ndarray:
+    """FlowMatchEulerDiscreteScheduler.__init__: timesteps linspace(1, n, n)[::-1], σ = shifted t/n."""
+    timesteps = np.linspace(1, n, n, dtype=np.float32)[::-1].copy()
+    s = timesteps / n
+    return shift * s / (1 + (shift - 1) * s)
+
+
+@pytest.mark.parametrize("scheme", ["uniform", "logit_normal", "mode", "cosmap", "none"])
+@pytest.mark.parametrize("shift", [1.0, 3.1582], ids=lambda s: f"shift{s:g}")
+def test_scheduler_grid_mode_samples_lie_on_grid(scheme, shift):
+    sampler = SigmaSampler("sigma", weighting_scheme=scheme, discrete_flow_shift=shift)
+    grid = sampler.scheduler_sigmas()
+    np.testing.assert_allclose(grid.numpy(), _diffusers_flow_match_sigmas(1000, shift), rtol=1e-6)
+    x = sampler.sample(50_000, (128, 128), generator=torch.Generator().manual_seed(6))
+    assert torch.isin(x, grid).all()
+    assert not sampler.has_closed_form
+    with pytest.raises(ValueError, match="no closed form"):
+        sampler.cdf(0.5, (128, 128))
+
+
+def test_scheduler_grid_uniform_scheme_hits_every_index_uniformly():
+    sampler = SigmaSampler("sigma", weighting_scheme="uniform")
+    grid = sampler.scheduler_sigmas()
+    x = sampler.sample(200_000, (128, 128), generator=torch.Generator().manual_seed(7))
+    idx = torch.searchsorted(-grid, -x)  # the grid decreases
+    assert torch.equal(grid[idx], x)
+    counts = torch.bincount(idx, minlength=1000).numpy()
+    assert stats.chisquare(counts).pvalue > 1e-3

@@ -1,0 +1,228 @@
+"""Lab images with a natural spectrum, from files that ship inside installed packages, plus generated
+ones, turned into a VAE-like latent space. Nothing is downloaded.
+
+Sources: photographs bundled in the scikit-image wheel (read from the wheel's own files, never through
+its fetcher, so no download can start), scikit-learn's two sample images, and procedurally generated
+images (dead leaves and 1/f colour noise; both have the power-law spectrum of natural images), so a
+corpus exists even when the packaged files are missing.
+
+Latent space ("the VAE"): pixel-unshuffle RGB by 4 (48 values per 4×4 patch), project each patch with
+a fixed seeded random orthogonal 48→C map, normalise each channel to zero mean / unit variance over the
+corpus. It is linear, deterministic and local, so the latent keeps the images' power-law spectrum and
+area-downsampling it behaves like downscaling the image.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+FACTOR = 4  # pixels per latent cell, each side
+SKIMAGE_FILES = (
+    "astronaut.png", "coffee.png", "chelsea.png", "rocket.jpg", "camera.png", "hubble_deep_field.jpg",
+    "ihc.png", "retina.jpg", "moon.png", "brick.png", "grass.png", "gravel.png", "coins.png",
+)  # fmt: skip
+
+
+@dataclass(frozen=True)
+class LabDataConfig:
+    """Buckets are (height, width) in pixels, multiples of 32 so latents are multiples of 8 (packed: 4).
+
+    ``scales`` set the short side of each source, as multiples of the largest bucket side, from which
+    crops are taken (several scales = scale augmentation).
+    """
+
+    buckets: tuple[tuple[int, int], ...] = ((256, 256), (224, 288), (288, 224), (192, 320), (320, 192))
+    latent_channels: int = 16
+    scales: tuple[float, ...] = (1.0, 1.5)
+    projection_seed: int = 0
+    generated: int = 4
+    packaged: bool = True
+
+    def __post_init__(self) -> None:
+        if any(h % 32 or w % 32 for h, w in self.buckets):
+            raise ValueError(f"bucket sides must be multiples of 32 px: {self.buckets}")
+        if not self.packaged and self.generated < 1:
+            raise ValueError("no image source enabled")
+
+    def latent_hw(self, bucket: tuple[int, int]) -> tuple[int, int]:
+        return bucket[0] // FACTOR, bucket[1] // FACTOR
+
+
+def _to_rgb01(img: np.ndarray) -> np.ndarray:
+    img = np.asarray(img)
+    if img.dtype == np.uint8:
+        img = img.astype(np.float32) / 255.0
+    img = img.astype(np.float32)
+    if img.ndim == 2:
+        img = np.repeat(img[..., None], 3, axis=2)
+    return np.clip(img[..., :3], 0.0, 1.0)
+
+
+def _packaged_images() -> list[tuple[str, np.ndarray]]:
+    """Images bundled in installed wheels; each one that is absent or unreadable is skipped."""
+    out: list[tuple[str, np.ndarray]] = []
+    try:
+        import skimage.data
+        import skimage.io
+    except ImportError:
+        skimage = None
+    if skimage is not None:
+        root = os.path.dirname(skimage.data.__file__)
+        for name in SKIMAGE_FILES:
+            path = os.path.join(root, name)
+            if os.path.isfile(path):
+                try:
+                    out.append((name.split(".")[0], _to_rgb01(skimage.io.imread(path))))
+                except (OSError, ValueError):
+                    continue
+    try:
+        from sklearn.datasets import load_sample_images
+
+        bunch = load_sample_images()
+        out += [(os.path.basename(f).split(".")[0], _to_rgb01(im)) for f, im in zip(bunch.filenames, bunch.images, strict=True)]
+    except (ImportError, OSError, ValueError):
+        pass
+    return out
+
+
+def dead_leaves(size: int, seed: int, n_discs: int = 4000) -> np.ndarray:
+    """Occluding discs with radius density ∝ r⁻³: the classic scale-invariant (1/f²) image model."""
+    rng = np.random.default_rng(seed)
+    img = np.zeros((size, size, 3), np.float32)
+    rmin, rmax = 2.0, size / 4
+    u = rng.random(n_discs)
+    radii = (rmin**-2 - u * (rmin**-2 - rmax**-2)) ** -0.5
+    centres = rng.random((n_discs, 2)) * size
+    colours = rng.random((n_discs, 3)).astype(np.float32)
+    for (cy, cx), r, col in zip(centres, radii, colours, strict=True):
+        y0, y1 = int(max(cy - r, 0)), int(min(cy + r + 1, size))
+        x0, x1 = int(max(cx - r, 0)), int(min(cx + r + 1, size))
+        yy, xx = np.ogrid[y0:y1, x0:x1]
+        img[y0:y1, x0:x1][(yy - cy) ** 2 + (xx - cx) ** 2 <= r * r] = col
+    return img
+
+
+def pink_noise(size: int, seed: int) -> np.ndarray:
+    """Colour noise with amplitude ∝ 1/f (power ∝ 1/f²) and correlated channels."""
+    rng = np.random.default_rng(seed)
+    f = np.hypot(*np.meshgrid(np.fft.fftfreq(size), np.fft.fftfreq(size), indexing="ij"))
+    f[0, 0] = 1.0
+    spec = np.fft.fft2(rng.standard_normal((3, size, size))) / f
+    field = np.real(np.fft.ifft2(spec))
+    field = np.einsum("ck,khw->hwc", rng.standard_normal((3, 3)) + 2 * np.eye(3), field)
+    lo, hi = np.percentile(field, [1, 99])
+    return np.clip((field - lo) / (hi - lo), 0, 1).astype(np.float32)
+
+
+def _resize_short_side(img: np.ndarray, short: int) -> np.ndarray:
+    from skimage.transform import resize
+
+    h, w = img.shape[:2]
+    s = short / min(h, w)
+    shape = (max(short, round(h * s)), max(short, round(w * s)))
+    return resize(img, shape, order=1, anti_aliasing=s < 1, preserve_range=True).astype(np.float32)
+
+
+class LatentCodec:
+    """The lab's linear "VAE": pixel-unshuffle by 4, orthogonal 48→C projection, per-channel norm."""
+
+    def __init__(self, channels: int, seed: int) -> None:
+        if not 1 <= channels <= 3 * FACTOR * FACTOR:
+            raise ValueError(f"latent_channels must be in 1..{3 * FACTOR * FACTOR}")
+        gen = torch.Generator().manual_seed(seed)
+        q, _ = torch.linalg.qr(torch.randn(3 * FACTOR * FACTOR, 3 * FACTOR * FACTOR, generator=gen))
+        self.projection = q[:channels].contiguous()  # [C, 48], orthonormal rows
+        self.mean = torch.zeros(channels)
+        self.std = torch.ones(channels)
+
+    def project(self, pixels: torch.Tensor) -> torch.Tensor:
+        """[B, 3, H, W] in [0, 1] -> un-normalised [B, C, H/4, W/4]."""
+        return torch.einsum("ck,bkhw->bchw", self.projection, F.pixel_unshuffle(pixels, FACTOR))
+
+    def fit(self, images: list[torch.Tensor]) -> None:
+        """Per-channel mean/std over every latent cell of the corpus (pixel-weighted)."""
+        total, sq, n = 0.0, 0.0, 0
+        for img in images:
+            h, w = img.shape[-2] // FACTOR * FACTOR, img.shape[-1] // FACTOR * FACTOR
+            z = self.project(img[None, :, :h, :w].float() / 255.0).double()
+            total = total + z.sum(dim=(0, 2, 3))
+            sq = sq + (z**2).sum(dim=(0, 2, 3))
+            n += z.shape[2] * z.shape[3]
+        mean = total / n
+        self.mean = mean.float()
+        self.std = (sq / n - mean**2).clamp_min(1e-12).sqrt().float()
+
+    def encode(self, pixels: torch.Tensor) -> torch.Tensor:
+        z = self.project(pixels)
+        return (z - self.mean[:, None, None]) / self.std[:, None, None]
+
+
+class LabData:
+    """Deterministic lab corpus; batch ``step`` of a run is a pure function of (seed, step)."""
+
+    def __init__(self, cfg: LabDataConfig | None = None) -> None:
+        self.cfg = cfg = cfg or LabDataConfig()
+        sources = _packaged_images() if cfg.packaged else []
+        side = max(max(b) for b in cfg.buckets)
+        gen_size = int(side * max(cfg.scales))
+        for i in range(cfg.generated):
+            maker = dead_leaves if i % 2 == 0 else pink_noise
+            sources.append((f"{maker.__name__}_{i // 2}", maker(gen_size, seed=1000 + i)))
+        self.names = [name for name, _ in sources]
+        # uint8 [3, H, W] per (source, scale): 8-bit like real training images, and compact.
+        self._images = [
+            [
+                torch.from_numpy(np.round(_resize_short_side(img, int(np.ceil(side * s))) * 255).astype(np.uint8))
+                .permute(2, 0, 1)
+                .contiguous()
+                for s in cfg.scales
+            ]
+            for _, img in sources
+        ]
+        self.codec = LatentCodec(cfg.latent_channels, cfg.projection_seed)
+        self.codec.fit([per_scale[0] for per_scale in self._images])
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.names)
+
+    def _make_batch(self, rng: np.random.Generator, bucket: tuple[int, int], batch_size: int) -> dict:
+        h, w = bucket
+        crops, classes = [], []
+        for _ in range(batch_size):
+            src = int(rng.integers(len(self._images)))
+            img = self._images[src][int(rng.integers(len(self.cfg.scales)))]
+            y = int(rng.integers(img.shape[1] - h + 1))
+            x = int(rng.integers(img.shape[2] - w + 1))
+            crop = img[:, y : y + h, x : x + w]
+            crops.append(crop.flip(-1) if rng.random() < 0.5 else crop)
+            classes.append(src)
+        pixels = torch.stack(crops).float() / 255.0
+        return {
+            "latents": self.codec.encode(pixels),
+            "loss_weights": torch.ones(batch_size),
+            "captions": [self.names[c] for c in classes],
+            "class_ids": torch.tensor(classes, dtype=torch.long),
+            "bucket": bucket,
+        }
+
+    def batch(self, step: int, batch_size: int, seed: int) -> dict:
+        """One bucket per batch, chosen uniformly; random source, scale, crop and horizontal flip.
+
+        Returns ``latents`` [B, C, h, w], ``loss_weights`` [B], ``captions``, ``class_ids`` [B] and
+        ``bucket`` (pixels), the keys the lab trainer reads (``latents``/``loss_weights`` as in sd-scripts).
+        """
+        rng = np.random.default_rng([seed, step])
+        bucket = self.cfg.buckets[int(rng.integers(len(self.cfg.buckets)))]
+        return self._make_batch(rng, bucket, batch_size)
+
+    def validation_set(self, per_bucket: int = 2, seed: int = 0) -> list[dict]:
+        """A fixed held-out draw: one batch of ``per_bucket`` crops per bucket (its own RNG stream)."""
+        return [
+            self._make_batch(np.random.default_rng([seed, 0x7FFF_FFFF, i]), bucket, per_bucket) for i, bucket in enumerate(self.cfg.buckets)
+        ]

@@ -1,0 +1,323 @@
+"""One sd-scripts training run with the plugin: what ``prepare_network(args)`` installs (DESIGN §2, §4).
+
+``start`` is called by ``NetworkTrainer.train`` (tn:696-697) with the final merged args, before the
+optimizer, ``accelerator.prepare``, resume and the loop. It validates the config, detects the
+architecture, checks the hook points, builds the router and the accounting, and installs:
+
+- the step hook (``hook.DownscaleHook``) on the trainer instance, or in the explicit call points of a
+  patched host (``patches/``);
+- ``ss_downscale_*`` metadata on every ``save_weights`` of the inner network (weights untouched);
+- the start banner (main process) and the end summary at ``accelerator.end_training``, which every
+  rank calls after the loop and before the last save (tn:1711), so the final cross-rank sum there is
+  a symmetric collective.
+
+Under multi-GPU the counts are summed over ranks with ``accelerator.reduce`` every train step (every
+rank runs the hook on every step; the host's step logs run on the main process only, where a
+collective would deadlock), and only the main process logs.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import metadata
+from typing import Any
+
+import torch
+
+from ..accounting import FLOP_PRESETS, Accounting, StepRecord
+from ..config import DownscaleConfig, RouteRule
+from ..grid import get_arch
+from ..plan import Plan, format_plan, plan_table
+from ..router import RouteDecision, Router
+from .families import GRID_DEPENDENT_MODES, DDPMFamily, FlowFamily
+from .hook import DownscaleHook, fork_devices
+from .sd_scripts import SAMPLER_BY_ARCH, SUPPORTED, HostError, TrainerContext, detect_arch, find_trainer, make_family, plugin_config
+
+logger = logging.getLogger(__name__)
+
+# Explicit call points added by patches/sd-scripts-48d368fa-explicit-hook.patch (see patches/README.md).
+EXPLICIT_STEP_HOOK = "noise_pred_and_target_hook"
+EXPLICIT_LOGS_HOOK = "step_logs_hook"
+
+PLAN_MC_SAMPLES = 8192  # σ draws per bucket for the banner's predicted fractions (±0.6 % at p = 0.5)
+_MC_CHUNK = 256  # grid-dependent samplers allocate a latent-sized tensor per σ
+
+
+@functools.cache
+def _version() -> str:
+    try:
+        return metadata.version("downscale-plugin")
+    except metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def host_warnings(args: Any, arch: str, cfg: DownscaleConfig, world_size: int) -> list[str]:
+    """Host options the plugin honours but that change what a routed step costs or means."""
+    notes = []
+    if getattr(args, "torch_compile", False):  # --dynamo_backend only applies with it (tu:5466-5469)
+        notes.append(
+            "torch compile: every routed grid is a new input shape and recompiles the denoiser; "
+            "expect compile stalls early on and raise torch._dynamo.config.cache_size_limit if it falls back to eager"
+        )
+    if arch == "sd3" and getattr(args, "enable_scaled_pos_embed", False):
+        notes.append("--enable_scaled_pos_embed: a routed step picks the position table of a smaller registered resolution")
+    if cfg.gate == "strict" and world_size > 1:
+        notes.append("gate = strict with several processes: ranks route independently and wait for the slowest at each all-reduce")
+    return notes
+
+
+def dataset_buckets(group: Any, vae_factor: int) -> tuple[list[tuple[int, int]], list[float], int]:
+    """Latent (h, w) of every non-empty bucket, its share of steps, and the most common batch size."""
+    steps: dict[tuple[int, int], float] = {}
+    images_by_batch: dict[int, int] = {}
+    for dataset in getattr(group, "datasets", None) or []:
+        manager = getattr(dataset, "bucket_manager", None)
+        batch = int(getattr(dataset, "batch_size", 1) or 1)
+        for (width, height), bucket in zip(getattr(manager, "resos", ()), getattr(manager, "buckets", ()), strict=True):
+            if len(bucket):
+                hw = (height // vae_factor, width // vae_factor)
+                steps[hw] = steps.get(hw, 0.0) + math.ceil(len(bucket) / batch)
+                images_by_batch[batch] = images_by_batch.get(batch, 0) + len(bucket)
+    batch_size = max(images_by_batch, key=images_by_batch.get) if images_by_batch else 1
+    return list(steps), list(steps.values()), batch_size
+
+
+@dataclass(frozen=True)
+class HostSampler:
+    """The host's own σ sampler as a ``plan`` sampler (Monte Carlo; every host mode, exact quantisation).
+
+    Draws are cached per (n, seed) unless the mode's σ depends on the latent grid, so a run with many
+    buckets pays for one sample.
+    """
+
+    family: FlowFamily | DDPMFamily
+    args: Any
+    noise_scheduler: Any
+    dtype: Any
+    cache: dict = field(default_factory=dict, compare=False)
+
+    has_closed_form = False
+
+    def sample(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator | None = None) -> torch.Tensor:
+        seed = generator.initial_seed() if generator is not None else 0
+        grid_dependent = getattr(self.args, "timestep_sampling", None) in GRID_DEPENDENT_MODES
+        key = (n, seed, tuple(latent_hw) if grid_dependent else None)
+        if key not in self.cache:
+            with torch.random.fork_rng(devices=[]):
+                torch.manual_seed(seed)
+                bound = self.family.bind(self.args, self.noise_scheduler, torch.zeros(1, 1, *latent_hw), "cpu", self.dtype)
+                self.cache[key] = torch.cat([bound.draw(min(_MC_CHUNK, n - i)) for i in range(0, n, _MC_CHUNK)]).float()
+        return self.cache[key]
+
+
+class HostRouter(Router):
+    """Reads T and the resume offset from the host at the first train step.
+
+    The trainer recomputes ``max_train_steps`` from ``--max_train_epochs`` after ``prepare_network``
+    (tn:799-805) and sets the loop's ``current_step`` to the resumed global step only in the loop.
+    """
+
+    host: tuple[Any, Any] | None = None  # (args, current_step Value)
+
+    def route(self, *args, **kwargs) -> RouteDecision:
+        if self.host is not None:
+            host_args, current_step = self.host
+            accumulation = int(getattr(host_args, "gradient_accumulation_steps", 1) or 1)
+            self.total_forwards = int(host_args.max_train_steps) * accumulation
+            self.resume_offset = (int(current_step.value) if current_step is not None else 0) * accumulation
+            self.host = None
+        return super().route(*args, **kwargs)
+
+
+def _rule_dict(rule: RouteRule) -> dict[str, Any]:
+    out: dict[str, Any] = {"route": f"{rule.native}:{rule.target}"} if rule.native else {"scale": rule.scale}
+    out["sigma_min"] = rule.sigma_min
+    if rule.sigma_max is not None:
+        out["sigma_max"] = rule.sigma_max
+    if rule.span is not None:
+        out["span"] = str(rule.span)
+    if rule.name:
+        out["name"] = rule.name
+    return out
+
+
+class DownscaleRun:
+    """One training run's plugin state: accounting, cross-rank totals, metadata, summary.
+
+    Exposed as ``network.downscale_run`` for inspection.
+    """
+
+    def __init__(self, cfg: DownscaleConfig, arch: str, inner: str, seed: int, accelerator: Any, accounting: Accounting):
+        self.cfg = cfg
+        self.arch = arch
+        self.inner = inner
+        self.seed = seed
+        self.accelerator = accelerator
+        self.rank = int(accelerator.process_index)
+        self.world_size = int(accelerator.num_processes)
+        self.accounting = accounting
+        self.totals = accounting  # summed over ranks; the same object on one process
+        self.finished = False
+
+    def _reduce(self, vector: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(vector.to(self.accelerator.device), reduction="sum")
+
+    def on_step(self, step: int, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int]) -> None:
+        """Every rank, every train step (so the collective is symmetric): record, then sum over ranks."""
+        self.accounting.record(StepRecord.from_decision(step, decision, native_hw, self.arch))
+        if self.world_size > 1:
+            self.totals = self.accounting.reduced(self._reduce)
+
+    def step_logs(self, logs: dict[str, float], current_loss: Any) -> None:
+        """Main process only (trackers exist there): the step's loss goes to its route, scalars to the logs."""
+        if current_loss is not None:
+            self.accounting.record_loss(float(current_loss))
+        logs.update(self.totals.scalars())
+
+    def finish(self) -> None:
+        """Every rank, once, at ``accelerator.end_training``: final totals and the end summary."""
+        if self.finished:
+            return
+        self.finished = True
+        if self.world_size > 1:
+            self.totals = self.accounting.reduced(self._reduce)
+        if self.rank == 0:
+            logger.info("%s", self.totals.summary_text())
+
+    def metadata(self) -> dict[str, str]:
+        totals = self.totals
+        counts = {
+            "forwards": totals.total_steps,
+            "routes": {("native" if i < 0 else f"r{i} {self.cfg.routes[i].label}"): f for i, f in totals.fractions().items()},
+            "fallbacks": totals.fallbacks,
+            "token_saving": totals.token_saving(),
+            "flop_saving": totals.flop_saving(),
+        }
+        return {
+            "ss_downscale_version": _version(),
+            "ss_downscale_inner": self.inner,
+            "ss_downscale_arch": self.arch,
+            "ss_downscale_gate": self.cfg.gate,
+            "ss_downscale_seed": str(self.seed),
+            "ss_downscale_routes": json.dumps([_rule_dict(r) for r in self.cfg.routes]),
+            "ss_downscale_counts": json.dumps(counts),
+        }
+
+
+def _shared_seed(seed: int, accelerator: Any) -> int:
+    """Rank 0's seed on every rank: unseeded sd-scripts runs draw ``args.seed`` per process (tn:502-503)."""
+    if int(accelerator.num_processes) <= 1:
+        return seed
+    mine = torch.tensor([seed if int(accelerator.process_index) == 0 else 0], dtype=torch.int64, device=accelerator.device)
+    return int(accelerator.reduce(mine, reduction="sum").item())
+
+
+def _predict(
+    ctx: TrainerContext, family: Any, cfg: DownscaleConfig, arch: str, buckets, weights, batch_size: int, world: int
+) -> Plan | None:
+    """The plan for this run's buckets under the host's own sampler (banner, predicted fractions)."""
+    if not buckets:
+        return None
+    scheduler = ctx.trainer.get_noise_scheduler(ctx.args, torch.device("cpu"))
+    sampler = HostSampler(family, ctx.args, scheduler, ctx.weight_dtype or torch.float32)
+    total = int(ctx.args.max_train_steps) * int(getattr(ctx.args, "gradient_accumulation_steps", 1) or 1)
+    return plan_table(
+        cfg, arch, sampler, buckets, batch_size, weights, total_forwards=total, mc_samples=PLAN_MC_SAMPLES, seed=0, world_size=world
+    )
+
+
+def _sampler_text(arch: str, args: Any) -> str:
+    module, contract = SAMPLER_BY_ARCH[arch]
+    if contract == "ddpm":
+        return f"host {module}.get_timesteps (DDPM t → flow σ)"
+    mode = "weighting_scheme=" + str(args.weighting_scheme) if contract == "sd3" else "timestep_sampling=" + str(args.timestep_sampling)
+    return f"host {module}.get_noisy_model_input_and_timesteps ({mode})"
+
+
+def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> DownscaleRun | None:
+    """``prepare_network``: validate, detect, build the router and accounting, install everything."""
+    cfg = plugin_config(plugin_keys, args)
+    if not cfg.enable:
+        logger.info("downscale_plugin: enable = false; training the inner network %s unchanged", inner)
+        return None
+    ctx = find_trainer()
+    if ctx is None or ctx.accelerator is None:
+        raise HostError(f"prepare_network: no sd-scripts NetworkTrainer.train (with its accelerator) in the calling frames; {SUPPORTED}")
+    arch = detect_arch(ctx.trainer, args)
+    if cfg.arch is not None and cfg.arch != arch:
+        raise HostError(
+            f"arch: the config says {cfg.arch!r} but this run is {arch!r} ({type(ctx.trainer).__name__}); remove arch or fix it"
+        )
+    family = make_family(arch)
+    accelerator = ctx.accelerator
+    rank, world = int(accelerator.process_index), int(accelerator.num_processes)
+    for note in host_warnings(args, arch, cfg, world):
+        logger.warning("downscale_plugin: %s", note)
+    seed = _shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
+    accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    router = HostRouter.from_config(
+        cfg, arch, seed, total_forwards=int(args.max_train_steps) * accumulation, devices=fork_devices(accelerator.device)
+    )
+    router.host = (args, ctx.current_step)
+    buckets, weights, batch_size = dataset_buckets(ctx.dataset_group, get_arch(arch).vae_factor)
+    plan = _predict(ctx, family, cfg, arch, buckets, weights, batch_size, world) if rank == 0 else None
+    accounting = Accounting(
+        cfg.routes,
+        FLOP_PRESETS[arch],
+        plan.probs if plan else None,
+        predicted_flop_saving=plan.flop_saving if plan else None,
+        token_values=Accounting.vocabulary(buckets, cfg.routes, arch, cfg.tier_tolerance),
+    )
+    run = DownscaleRun(cfg, arch, inner, seed, accelerator, accounting)
+    hook = DownscaleHook(router, family, rank=rank, world_size=world, on_step=run.on_step, step_logs=run.step_logs)
+    try:
+        _install_hook(hook, ctx.trainer)
+    except AttributeError as err:
+        raise HostError(f"missing hook point: {err}; {SUPPORTED}") from err
+    _wrap_save_and_end(network, accelerator, run, args)
+    if rank == 0:
+        head = (
+            f"downscale_plugin {_version()}: {arch} ({type(ctx.trainer).__name__}), inner network {inner}, gate {cfg.gate}, "
+            f"seed {seed}, {world} process(es); σ from {_sampler_text(arch, args)}"
+        )
+        rules = "\n".join(f"  r{i} {r.label} {r.window_text()} {r.span or ''}" for i, r in enumerate(cfg.routes))
+        logger.info("%s\n%s", head, format_plan(plan) if plan else rules)
+    network.downscale_run = run
+    return run
+
+
+def _install_hook(hook: DownscaleHook, trainer: Any) -> None:
+    """Use the patched host's explicit call points when present, else wrap the instance's methods."""
+    if not hasattr(type(trainer), EXPLICIT_STEP_HOOK):
+        hook.install(trainer)
+        return
+
+    def step_hook(original: Callable, *call: Any, is_train: bool = True) -> Any:
+        return hook.train_step(original, call) if is_train else original(*call, is_train=False)
+
+    setattr(trainer, EXPLICIT_STEP_HOOK, step_hook)
+    setattr(trainer, EXPLICIT_LOGS_HOOK, hook.step_logs)
+
+
+def _wrap_save_and_end(network: Any, accelerator: Any, run: DownscaleRun, args: Any) -> None:
+    """Instance wraps: ``ss_downscale_*`` keys on every save (the weights are the inner's, untouched);
+    the end summary at ``accelerator.end_training`` (every rank calls it, so the last reduce is symmetric)."""
+    save = network.save_weights
+    end = accelerator.end_training
+
+    def save_weights(file, dtype, metadata):
+        if metadata is not None and not getattr(args, "no_metadata", False):
+            metadata = {**metadata, **run.metadata()}
+        return save(file, dtype, metadata)
+
+    def end_training(*a, **kw):
+        run.finish()
+        return end(*a, **kw)
+
+    network.save_weights = save_weights
+    accelerator.end_training = end_training

@@ -1,0 +1,1 @@
+"""Test double of sd-scripts' ``library`` package (see tests/doubles/README.md)."""

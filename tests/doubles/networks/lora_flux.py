@@ -1,0 +1,14 @@
+"""Double of ``networks.lora_flux``: the host's factory signatures (parameter names included),
+building the shared small LoRA network of the ``networks.lora`` double."""
+
+from networks import lora
+
+
+def create_network(multiplier, network_dim, network_alpha, ae, text_encoders, flux, neuron_dropout=None, **kwargs):
+    return lora.create_network(multiplier, network_dim, network_alpha, ae, text_encoders, flux, neuron_dropout=neuron_dropout, **kwargs)
+
+
+def create_network_from_weights(multiplier, file, ae, text_encoders, flux, weights_sd=None, for_inference=False, **kwargs):
+    return lora.create_network_from_weights(
+        multiplier, file, ae, text_encoders, flux, weights_sd=weights_sd, for_inference=for_inference, **kwargs
+    )

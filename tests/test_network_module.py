@@ -1,0 +1,236 @@
+"""``downscale_plugin`` as sd-scripts' ``--network_module``, on the host doubles (CI; no sd-scripts).
+
+The factories return the inner module's own network object (with ``prepare_network`` attached in a
+run, chained to an inner one), only delegate for inference and ``--base_weights``, honour
+``--dim_from_weights``, save the inner's exact weights plus ``ss_downscale_*`` metadata, read T and
+the resume offset from the loop, and fail early with errors that say what is wrong.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import types
+from pathlib import Path
+
+import pytest
+import torch
+from host_modules import ARCHS, host_modules, run_double, trainer_class
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import downscale_plugin
+from downscale_plugin.config import ConfigError, config_from_training_toml, load_config, read_plugin_toml
+from downscale_plugin.grid import get_arch
+from downscale_plugin.hosts import sd_scripts, sd_scripts_run
+from downscale_plugin.hosts.sd_scripts import HostError
+
+ALL_ROUTED = {"routes": [{"scale": 0.5, "sigma_min": 0.0}]}
+RES = ("--resolution", "128,128")
+
+
+@pytest.fixture(scope="module", autouse=True)
+def doubles():
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with host_modules():
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture(autouse=True)
+def quick_plan(monkeypatch):
+    monkeypatch.setattr(sd_scripts_run, "PLAN_MC_SAMPLES", 256)
+
+
+def _inner(name: str):
+    return sys.modules.get(name) or __import__(name, fromlist=["create_network"])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
+def test_create_network_returns_the_auto_detected_inner_network_itself(arch):
+    run = run_double(arch, *RES, "--max_train_steps", "1", downscale=ALL_ROUTED).last_run
+    plain = run_double(arch, *RES, "--max_train_steps", "1", network_module=ARCHS[arch][2]).last_run
+    assert type(run.network) is type(plain.network)
+    assert run.network.downscale_run.inner == ARCHS[arch][2]
+    assert "prepare_network" in vars(run.network)
+    assert run.network.created_with == plain.network.created_with == {"neuron_dropout": None, "dropout": None}
+
+
+def test_lycoris_inner_gets_the_rest_of_network_args_and_the_plugin_keeps_its_own():
+    argv = ("--network_args", "inner=lycoris.kohya", "ds_gate=strict", "algo=lokr", "preset=attn-mlp")
+    run = run_double("flux", *RES, "--max_train_steps", "1", *argv, downscale=ALL_ROUTED).last_run
+    assert type(run.network).__name__ == "LycorisNetworkKohya"
+    assert run.network.created_with == {"algo": "lokr", "preset": "attn-mlp", "dropout": None, "neuron_dropout": None}
+    assert run.network.downscale_run.cfg.gate == "strict" and run.network.downscale_run.inner == "lycoris.kohya"
+
+
+def test_prepare_network_chains_the_inner_networks_own(monkeypatch):
+    seen = []
+    lora = _inner("networks.lora")
+
+    class WithPrepare(lora.LoRANetwork):
+        def prepare_network(self, args):
+            seen.append(("inner", "downscale_run" in vars(self)))
+
+    module = types.ModuleType("inner_with_prepare")
+    module.create_network = lambda m, d, a, vae, te, unet, neuron_dropout=None, **kw: WithPrepare(unet, m, d or 4, a or 1.0, **kw)
+    module.create_network_from_weights = lora.create_network_from_weights
+    monkeypatch.setitem(sys.modules, "inner_with_prepare", module)
+    run = run_double("sd3", *RES, "--max_train_steps", "1", "--network_args", "inner=inner_with_prepare", downscale=ALL_ROUTED).last_run
+    assert seen == [("inner", False)]  # the inner's own ran first, before the plugin installed itself
+    assert type(run.network) is WithPrepare and run.network.downscale_run.accounting.total_steps == 1
+
+
+def test_outside_a_trainer_the_factories_only_delegate(tmp_path):
+    flux = _inner("library.tiny_models").Flux()
+    network = downscale_plugin.create_network(1.0, 4, 1.0, None, [], flux, dropout=None, ds_gate="strict", inner="networks.lora_flux")
+    assert "prepare_network" not in vars(network) and network.created_with == {"neuron_dropout": None, "dropout": None}
+    path = str(tmp_path / "lora.safetensors")
+    network.save_weights(path, None, {})
+    ours, sd = downscale_plugin.create_network_from_weights(1.0, path, None, [], flux, for_inference=True, ds_gate="strict")
+    theirs, _ = _inner("networks.lora_flux").create_network_from_weights(1.0, path, None, [], flux, for_inference=True)
+    assert type(ours) is type(theirs) and "prepare_network" not in vars(ours) and ours.created_with == theirs.created_with
+    assert sd.keys() == load_file(path).keys()
+
+
+def test_base_weights_merge_inside_a_run_is_pure_delegation(tmp_path):
+    base = run_double("flux", *RES, "--max_train_steps", "2", "--output_dir", str(tmp_path), network_module="networks.lora_flux")
+    path = str(tmp_path / "last.safetensors")
+    argv = (*RES, "--max_train_steps", "1", "--base_weights", path)
+    plain = run_double("flux", *argv, network_module="networks.lora_flux").last_run
+    run = run_double("flux", *argv, "--network_args", "inner=networks.lora_flux", downscale=ALL_ROUTED).last_run
+    assert torch.equal(run.unet.proj.weight, plain.unet.proj.weight)  # merged identically into the base model
+    assert not torch.equal(run.unet.proj.weight, base.last_run.unet.proj.weight)
+
+
+def test_dim_from_weights_network_is_routed(tmp_path):
+    run_double("lumina", *RES, "--max_train_steps", "1", "--output_dir", str(tmp_path), network_module="networks.lora_lumina")
+    argv = (*RES, "--max_train_steps", "2", "--dim_from_weights", "--network_weights", str(tmp_path / "last.safetensors"))
+    run = run_double("lumina", *argv, downscale=ALL_ROUTED).last_run
+    assert "prepare_network" in vars(run.network)
+    assert [c["shape"] for c in run.unet.calls] == [(1, 4, 8, 8)] * 2
+
+
+def test_saved_file_is_the_inner_weights_with_downscale_metadata(tmp_path):
+    run = run_double("anima", *RES, "--max_train_steps", "3", "--seed", "4", "--output_dir", str(tmp_path), downscale=ALL_ROUTED).last_run
+    path = tmp_path / "last.safetensors"
+    plain_path = str(tmp_path / "plain.safetensors")
+    type(run.network).save_weights(run.network, plain_path, None, {"ss_steps": "3"})  # the inner's own save
+    ours, theirs = load_file(path), load_file(plain_path)
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    with safe_open(str(path), "pt") as f:
+        meta = f.metadata()
+    assert meta["ss_network_module"] == "downscale_plugin" and meta["ss_downscale_inner"] == "networks.lora_anima"
+    assert meta["ss_downscale_arch"] == "anima" and meta["ss_downscale_gate"] == "coupled" and meta["ss_downscale_seed"] == "4"
+    assert json.loads(meta["ss_downscale_routes"]) == [{"scale": 0.5, "sigma_min": 0.0}]
+    counts = json.loads(meta["ss_downscale_counts"])
+    assert counts["forwards"] == 3 and counts["routes"] == {"r0 x0.5": 1.0, "native": 0.0} and counts["token_saving"] == 0.75
+    loaded, _ = _inner("networks.lora_anima").create_network_from_weights(1.0, str(path), None, [], run.unet)
+    assert not loaded.load_state_dict(ours, strict=True).missing_keys  # loadable by the inner module
+
+
+def test_no_metadata_adds_no_downscale_keys(tmp_path):
+    run_double("flux", *RES, "--max_train_steps", "1", "--no_metadata", "--output_dir", str(tmp_path), downscale=ALL_ROUTED)
+    with safe_open(str(tmp_path / "last.safetensors"), "pt") as f:
+        assert not any(k.startswith("ss_downscale") for k in f.metadata() or {})
+
+
+def test_total_forwards_and_resume_offset_are_read_from_the_loop():
+    # 4 batches per epoch, 2 epochs: the trainer sets max_train_steps = 8 after prepare_network; it resumes at
+    # global step 5. late:0.5 fires on forwards 5..8, so all three remaining steps route only if both are read.
+    downscale = {"routes": [{"scale": 0.5, "sigma_min": 0.0, "span": "late:0.5"}]}
+    run = run_double("sd3", *RES, "--max_train_epochs", "2", "--initial_step", "5", downscale=downscale).last_run
+    assert run.args.max_train_steps == 8 and run.global_step == 8
+    assert [c["shape"] for c in run.unet.calls] == [(1, 4, 8, 8)] * 3
+
+
+def test_banner_summary_and_step_logs(caplog):
+    with caplog.at_level(logging.INFO, logger="downscale_plugin"):
+        run = run_double("flux", *RES, "--max_train_steps", "2", downscale=ALL_ROUTED).last_run
+    text = caplog.text
+    assert "flux (FluxNetworkTrainer), inner network networks.lora_flux, gate coupled" in text
+    assert "library.flux_train_utils.get_noisy_model_input_and_timesteps (timestep_sampling=sigma)" in text
+    assert "128x128" in text and "16x16" in text and "8x8" in text  # the bucket, its latent and its routed grid
+    assert "downscale: 2 train forwards" in text
+    logs = run.accelerator.trackers[0].records[-1][1]
+    assert logs["downscale/frac/r0_x0.5"] == 1.0 and logs["downscale/steps"] == 2.0 and "loss/current" in logs
+    assert "downscale/loss/r0_x0.5" in logs
+
+
+def test_torch_compile_is_honoured_with_a_warning(caplog):
+    with caplog.at_level(logging.WARNING, logger="downscale_plugin"):
+        run_double("flux", *RES, "--max_train_steps", "1", "--torch_compile", downscale=ALL_ROUTED)
+    assert "recompiles" in caplog.text
+
+
+def test_bad_config_fails_before_any_step():
+    trainer = trainer_class("flux")()
+    with pytest.raises(ConfigError, match="gate: 'sometimes' is not allowed"):
+        run_double("flux", *RES, "--network_args", "ds_gate=sometimes", downscale=ALL_ROUTED, trainer=trainer)
+    assert not hasattr(trainer, "last_run")
+
+
+@pytest.mark.parametrize(("inner", "message"), [("networks.nope", "cannot import"), ("downscale_plugin", "this plugin itself")])
+def test_unknown_inner_lists_the_choices(inner, message):
+    with pytest.raises(HostError, match=message) as err:
+        run_double("flux", *RES, "--network_args", f"inner={inner}", downscale=ALL_ROUTED)
+    assert all(choice in str(err.value) for choice in sd_scripts.KNOWN_INNERS)
+
+
+def test_unknown_denoiser_asks_for_inner():
+    mystery = type("Mystery", (_inner("library.tiny_models").MMDiT,), {})
+    trainer = trainer_class("sd3")()
+    trainer.denoiser = mystery
+    with pytest.raises(HostError, match="denoiser class 'Mystery'.*set inner=MODULE"):
+        run_double("sd3", *RES, downscale=ALL_ROUTED, trainer=trainer)
+    trainer = trainer_class("sd3")()
+    trainer.denoiser = mystery
+    run = run_double(
+        "sd3", *RES, "--max_train_steps", "1", "--network_args", "inner=networks.lora_sd3", downscale=ALL_ROUTED, trainer=trainer
+    )
+    assert run.last_run.network.downscale_run.inner == "networks.lora_sd3"
+
+
+@pytest.mark.parametrize(
+    ("arch", "module", "symbol"),
+    [("flux", "library.flux_train_utils", "get_noisy_model_input_and_timesteps"), ("sdxl", "library.train_util", "get_timesteps")],
+)
+def test_missing_hook_symbol_names_it_and_the_supported_revision(arch, module, symbol, monkeypatch):
+    monkeypatch.delattr(sys.modules[module], symbol)
+    with pytest.raises(HostError, match=f"{module}.{symbol} is missing.*48d368fa"):
+        run_double(arch, *RES, downscale=ALL_ROUTED)
+
+
+def test_missing_trainer_method_names_it():
+    trainer = trainer_class("lumina")()
+    trainer.generate_step_logs = None
+    with pytest.raises(HostError, match="generate_step_logs.*48d368fa"):
+        run_double("lumina", *RES, downscale=ALL_ROUTED, trainer=trainer)
+
+
+def test_architecture_errors():
+    with pytest.raises(HostError, match="config says 'sd3' but this run is 'chroma'"):
+        run_double("chroma", *RES, "--network_args", "ds_arch=sd3", downscale=ALL_ROUTED)
+    with pytest.raises(ConfigError, match="arch: 'sd5' is not allowed"):
+        run_double("flux", *RES, downscale={**ALL_ROUTED, "arch": "sd5"})
+    with pytest.raises(ValueError, match="'sd5' has no grid multiple"):
+        get_arch("sd5")
+    base = trainer_class("sd1")
+    custom = type("CustomTrainer", (), {k: v for k, v in vars(base).items() if not k.startswith("__") or k == "__init__"})
+    with pytest.raises(HostError, match="CustomTrainer is not one of sd-scripts' LoRA trainers"):
+        run_double("sd1", *RES, downscale=ALL_ROUTED, trainer=custom())
+
+
+@pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "example_configs").glob("*.toml")), ids=lambda p: p.stem)
+def test_example_configs_are_valid_and_say_where_their_windows_come_from(path):
+    text = path.read_text()
+    assert "NOT certified" in text or "NOT on" in text  # provenance: measured elsewhere, not for latent-area downsampling
+    if path.stem == "anima_seed_paper_windows":
+        cfg = load_config(plugin_toml=read_plugin_toml(str(path)))
+        assert [(r.label, r.sigma_min, r.sigma_max) for r in cfg.routes] == [("paper-768", 0.65, 0.95), ("paper-896", 0.5, None)]
+        assert "VAE RE-ENCODED" in text and "anchor-sigma-lowres.md §0" in text and "§6.4" in text
+        return
+    cfg, flat = config_from_training_toml(str(path))
+    assert flat["network_module"] == "downscale_plugin" and len(cfg.routes) == 2

@@ -12,6 +12,9 @@ scoped replacement of that attribute is seen by exactly the call it wraps (host-
 A replay returns exactly what the host sampler would have returned for those σ: the same
 timesteps and σ values and dtypes the host produced when it drew them, the noisy input built the
 host's way at whatever grid the latents now have, and ``--ip_noise_gamma`` drawn at that grid.
+It first runs the host's own σ draw and discards it, so the host's RNG stream advances exactly as
+without the plugin: skipping it would leave, e.g., torch's cached second Box-Muller normal in place
+and every later step would draw the same σ.
 """
 
 from __future__ import annotations
@@ -29,7 +32,7 @@ from ..sigma import ddpm_t_to_sigma
 
 FLOW_CONTRACTS = ("flux", "lumina", "sd3")
 # Modes whose σ depends on the latent's h, w (the μ shift): candidates must keep the native grid.
-_GRID_DEPENDENT_MODES = ("flux_shift", "nextdit_shift")
+GRID_DEPENDENT_MODES = ("flux_shift", "nextdit_shift")
 
 
 @dataclass
@@ -99,25 +102,32 @@ class FlowFamily:
 
         quiet_args = copy.copy(args)
         quiet_args.ip_noise_gamma = None  # ξ is drawn after σ; candidates need no latent-sized noise
-        grid = tuple(latents.shape[-2:]) if getattr(args, "timestep_sampling", None) in _GRID_DEPENDENT_MODES else (1, 1)
+        grid = tuple(latents.shape[-2:]) if getattr(args, "timestep_sampling", None) in GRID_DEPENDENT_MODES else (1, 1)
 
         def draw(n: int) -> torch.Tensor:
             dummy = latents.new_zeros((n, 1, *grid))
             _, timesteps, sigmas = self._call(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
             return _remember(drawn, timesteps, sigmas)
 
+        def consume_draw() -> None:
+            dummy = latents.new_zeros((latents.shape[0], 1, *grid))
+            self._call(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
+
         def replay(sigmas: torch.Tensor):
             pairs = [drawn[k] for k in sigmas.double().cpu().tolist()]
             t_values = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
             s_values = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
-            return scoped_attr(self.module, self.fn_name, self._replay_fn(t_values, s_values, out_dtypes))
+            return scoped_attr(self.module, self.fn_name, self._replay_fn(t_values, s_values, out_dtypes, consume_draw))
 
         return BoundSampler(first, draw, replay, drawn)
 
-    def _replay_fn(self, t_values: torch.Tensor, s_values: torch.Tensor, out_dtypes: dict[str, torch.dtype]) -> Callable:
+    def _replay_fn(
+        self, t_values: torch.Tensor, s_values: torch.Tensor, out_dtypes: dict[str, torch.dtype], consume_draw: Callable[[], None]
+    ) -> Callable:
         contract = self.contract
 
         def build(args, latents, noise, device, dtype):
+            consume_draw()
             timesteps = t_values.to(device=device, dtype=out_dtypes["t"])
             view = (-1,) + (1,) * (latents.ndim - 1) if contract == "flux" else (-1, 1, 1, 1)
             sigmas = s_values.to(device=device, dtype=out_dtypes["s"]).view(view)
@@ -169,6 +179,12 @@ class DDPMFamily:
 
         def replay(sigmas: torch.Tensor):
             t = torch.tensor([drawn[k][0] for k in sigmas.double().cpu().tolist()], dtype=torch.long)
-            return scoped_attr(self.module, self.fn_name, lambda min_t, max_t, b, dev: t.to(dev))
+            original = self.module.get_timesteps
+
+            def replayed(min_t: int, max_t: int, b: int, dev: Any) -> torch.Tensor:
+                original(min_t, max_t, b, dev)  # advance the host's RNG as its own draw would
+                return t.to(dev)
+
+            return scoped_attr(self.module, self.fn_name, replayed)
 
         return BoundSampler(first, draw, replay, drawn)

@@ -30,7 +30,7 @@ class Command:
 COMMANDS: dict[str, Command] = {}
 
 # Modules whose import registers further commands (e.g. demo, map, snr).
-EXTENSIONS: tuple[str, ...] = ("downscale_plugin.fasterdit.cli",)
+EXTENSIONS: tuple[str, ...] = ("downscale_plugin.lab.demo", "downscale_plugin.fasterdit.cli")
 
 
 def register(

@@ -65,9 +65,7 @@ class DownscaleHook:
             args, accelerator, noise_scheduler, latents, batch, text_encoder_conds, unet, network, weight_dtype, train_unet, is_train=True
         ):
             call = (args, accelerator, noise_scheduler, latents, batch, text_encoder_conds, unet, network, weight_dtype, train_unet)
-            if not is_train:
-                return original_step(*call, is_train=is_train)
-            return self.train_step(original_step, call)
+            return self.dispatch(original_step, *call, is_train=is_train)
 
         def generate_step_logs(*args, **kwargs):
             logs = original_logs(*args, **kwargs)
@@ -85,6 +83,10 @@ class DownscaleHook:
             else:
                 setattr(trainer, name, previous)
         self._installed = {}
+
+    def dispatch(self, original: Callable, *call: Any, is_train: bool = True) -> Any:
+        """One host ``get_noise_pred_and_target`` call: routed when training, untouched otherwise."""
+        return self.train_step(original, call) if is_train else original(*call, is_train=False)
 
     def train_step(self, original: Callable, call: tuple) -> Any:
         args, accelerator, noise_scheduler, latents = call[:4]

@@ -22,7 +22,6 @@ import functools
 import json
 import logging
 import math
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import metadata
 from typing import Any
@@ -297,10 +296,7 @@ def _install_hook(hook: DownscaleHook, trainer: Any) -> None:
         hook.install(trainer)
         return
 
-    def step_hook(original: Callable, *call: Any, is_train: bool = True) -> Any:
-        return hook.train_step(original, call) if is_train else original(*call, is_train=False)
-
-    setattr(trainer, EXPLICIT_STEP_HOOK, step_hook)
+    setattr(trainer, EXPLICIT_STEP_HOOK, hook.dispatch)
     setattr(trainer, EXPLICIT_LOGS_HOOK, hook.step_logs)
 
 

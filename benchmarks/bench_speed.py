@@ -8,6 +8,7 @@ overhead when nothing routes (a window of zero mass: dry-run draw + router + wra
 
     python benchmarks/bench_speed.py              # the committed RESULTS.md
     python benchmarks/bench_speed.py --steps 8 --rounds 1   # a smoke run
+    python benchmarks/bench_speed.py --overhead_only        # just the nothing-routes cells
 """
 
 from __future__ import annotations
@@ -75,6 +76,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3, help="native/routed alternations per cell")
     parser.add_argument("--batch_sizes", default="1,4")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--overhead_only", action="store_true", help="skip the routed cells")
     args = parser.parse_args()
     model_cfg = LabModelConfig()
     data = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
@@ -88,7 +90,7 @@ def main() -> None:
     print("|---" * (header.count("|") - 1) + "|")
     b1_plan = {}
     start = time.perf_counter()
-    for batch_size in (int(b) for b in args.batch_sizes.split(",")):
+    for batch_size in (int(b) for b in args.batch_sizes.split(",")) if not args.overhead_only else ():
         for sampler in SAMPLERS:
             for gate in ("coupled", "strict"):
                 c = run_cell(model, data, model_cfg, STACKED, gate, sampler, batch_size, args.steps, args.rounds, args.seed)
@@ -104,9 +106,30 @@ def main() -> None:
                 )
     for batch_size in (int(b) for b in args.batch_sizes.split(",")):
         c = run_cell(model, data, model_cfg, NEVER, "coupled", "sigmoid", batch_size, args.steps, args.rounds, args.seed)
+        hook_s = hook_cost(batch_size, data)
         print(f"overhead when nothing routes, B={batch_size}: native {c['native_s']:.1f} s, plugin {c['routed_s']:.1f} s, "
-              f"overhead {-100 * c['saving']:+.2f} % of step time", flush=True)  # fmt: skip
+              f"end to end {-100 * c['saving']:+.2f} %; the hook's own work {1e3 * hook_s:.2f} ms/step "
+              f"= {100 * hook_s * args.steps * args.rounds / c['native_s']:.2f} % of a native step", flush=True)  # fmt: skip
     print(f"total {time.perf_counter() - start:.0f} s")
+
+
+def hook_cost(batch_size: int, data: LabData, steps: int = 500) -> float:
+    """Seconds per step the hook adds when nothing routes: bind the sampler, dry-run draw, route."""
+    from downscale_plugin.hosts.families import FlowFamily
+    from downscale_plugin.hosts.lab import LAB_ARCH
+    from downscale_plugin.lab import flux_train_utils
+    from downscale_plugin.lab.trainer import lab_args, make_noise_scheduler
+    from downscale_plugin.router import Router
+
+    args = lab_args(**SAMPLERS["sigmoid"])
+    router = Router.from_config(load_config(table={"routes": NEVER}), LAB_ARCH, seed=0, total_forwards=steps)
+    family, scheduler = FlowFamily(flux_train_utils, "flux"), make_noise_scheduler(args)
+    latents = data.batch(0, batch_size, 0)["latents"]
+    start = time.perf_counter()
+    for step in range(1, steps + 1):
+        bound = family.bind(args, scheduler, latents, "cpu", torch.float32)
+        router.route(bound.draw, batch_size, tuple(latents.shape[-2:]), step, first=bound.first)
+    return (time.perf_counter() - start) / steps
 
 
 if __name__ == "__main__":

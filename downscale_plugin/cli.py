@@ -29,8 +29,13 @@ class Command:
 
 COMMANDS: dict[str, Command] = {}
 
-# Modules whose import registers further commands (e.g. demo, map, snr).
-EXTENSIONS: tuple[str, ...] = ("downscale_plugin.lab.demo", "downscale_plugin.fasterdit.cli")
+# Command name → the module whose import registers it. These need the ``lab`` extra; when it is not
+# installed (a bare sd-scripts environment) the command stays listed and says what to install.
+EXTENSIONS: dict[str, str] = {
+    "demo": "downscale_plugin.lab.demo",
+    "snr": "downscale_plugin.fasterdit.cli",
+    "map": "downscale_plugin.mapping.cli",
+}
 
 
 def register(
@@ -308,9 +313,20 @@ register("check", "validate a config and print its routes (exit 2 listing every 
 register("plan", "predict route frequencies and savings for the host's σ sampler and buckets", _add_plan_arguments, _run_plan)
 
 
+def _missing_extra(name: str, err: ImportError) -> Callable[[argparse.Namespace], int]:
+    return lambda args: fail(
+        [f"{name}: needs the package {err.name!r} ({err}); install the lab extra: pip install 'downscale-plugin[lab]'"]
+    )
+
+
 def build_parser() -> argparse.ArgumentParser:
-    for module in EXTENSIONS:
-        importlib.import_module(module)
+    for name, module in EXTENSIONS.items():
+        if name in COMMANDS:
+            continue
+        try:
+            importlib.import_module(module)
+        except ImportError as err:
+            register(name, f"(unavailable: needs {err.name})", lambda parser: None, _missing_extra(name, err))
     parser = argparse.ArgumentParser(prog="python -m downscale_plugin", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():

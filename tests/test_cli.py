@@ -208,3 +208,11 @@ def test_module_entry_point(tmp_path):
     )
     assert proc.returncode == 2
     assert "gate: 'nope' is not allowed" in proc.stderr and "Traceback" not in proc.stderr
+
+
+def test_command_whose_extra_is_missing_says_what_to_install(monkeypatch, capsys):
+    monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
+    monkeypatch.setattr(cli, "EXTENSIONS", {"ghost": "downscale_plugin.no_such_module"})
+    assert cli.main(["ghost"]) == 2
+    err = capsys.readouterr().err
+    assert "ghost: needs the package 'downscale_plugin.no_such_module'" in err and "pip install 'downscale-plugin[lab]'" in err

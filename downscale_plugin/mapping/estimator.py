@@ -1,0 +1,363 @@
+"""The gradient-map estimator: per (image, σ bin, arm), the adapter gradient summed over D draws,
+debiased cosines against the native redraw floor, and per-bin paired statistics.
+
+Why sums over draws: the map compares population-mean gradients (what a training run averages
+over many steps), not single-draw gradients, so each arm's gradient is summed over D noise draws.
+
+Why debias: a D-draw sum still carries noise, which pulls every cosine below the cosine of the
+means, and more so on coarse grids (fewer tokens, noisier per-draw gradients). That fakes a floor.
+Each arm's D draws are split into two interleaved halves; the cosine of the halves estimates the
+reliability of a half-sum, Spearman–Brown lifts it to the full sum (ρ = 2r/(1+r)), and Spearman's
+attenuation correction divides every cross-arm cosine by √(ρ_x·ρ_y) (anchor study §2.1).
+
+The reported estimand (per image, per bin): the debiased excess of a route over the native
+redraw floor, ĉ(A,B) − ½[ĉ(A,R) + ĉ(B,R)], paired on the image, averaged over images with its
+standard error and one-sided (1−α) t upper bound. Images whose excess is non-finite (a
+non-positive self-floor) or beyond ±1.5 are trimmed and counted, as in the anchor study.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import zlib
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any
+
+import numpy as np
+import torch
+from scipy import stats
+from tqdm.auto import tqdm
+
+from .arms import NATIVE_A, NATIVE_B, Arm, MapBackend
+from .bins import SigmaBins
+
+TRIM = 1.5  # |excess| beyond this is an estimator failure, not a gap (anchor: 36-40 of 40 kept)
+
+
+class MapInputError(ValueError):
+    """Bad map inputs, all listed at once, raised before any model is built or run."""
+
+    def __init__(self, problems: Sequence[str]):
+        self.problems = list(problems)
+        super().__init__("map:\n  - " + "\n  - ".join(self.problems))
+
+
+@dataclass(frozen=True)
+class MapSettings:
+    """Sample sizes and the verdict: a bin is safe when its one-sided (1−α) upper bound < ``margin``
+    (cosine-distance units); ``simultaneous`` = Bonferroni over a route's bins."""
+
+    margin: float = 0.05
+    draws: int = 8
+    images: int = 8
+    seed: int = 0
+    alpha: float = 0.05
+    simultaneous: bool = False
+
+
+def settings_problems(settings: MapSettings) -> list[str]:
+    problems = []
+    if settings.draws < 2 or settings.draws % 2:
+        problems.append(f"draws: {settings.draws} must be an even number >= 2 (the self-floor splits the D draws into two equal halves)")
+    if settings.images < 2:
+        problems.append(f"images: {settings.images} must be >= 2 (the verdict needs a standard error over images)")
+    if not 0.0 < settings.margin < 1.0:
+        problems.append(f"margin: {settings.margin} must be strictly between 0 and 1 (cosine-distance units)")
+    if not 0.0 < settings.alpha < 0.5:
+        problems.append(f"alpha: {settings.alpha} must be strictly between 0 and 0.5")
+    return problems
+
+
+def check_inputs(arms: Sequence[Arm], bins: SigmaBins, settings: MapSettings) -> None:
+    """Everything that can be checked without a model; raises :class:`MapInputError`."""
+    problems = settings_problems(settings)
+    names = [a.name for a in arms]
+    if NATIVE_A not in names or NATIVE_B not in names:
+        problems.append(f"arms: both native arms ({NATIVE_A}, {NATIVE_B}) are required: they are the redraw floor")
+    if not any(a.compared for a in arms):
+        problems.append("routes: no route to measure (give at least one ratio, e.g. --ratios 0.75)")
+    if len(set(names)) != len(names):
+        problems.append(f"arms: duplicate names in {names}")
+    if not isinstance(bins, SigmaBins):
+        problems.append(f"bins: {bins!r} is not a SigmaBins grid")
+    if problems:
+        raise MapInputError(problems)
+
+
+def check_backend(backend: MapBackend, arms: Sequence[Arm], settings: MapSettings) -> list[torch.nn.Parameter]:
+    """Backend-side checks; returns the trainable parameters the gradient is taken w.r.t."""
+    problems = []
+    params = [p for p in backend.trainable_parameters() if p.requires_grad]
+    if not params:
+        problems.append("model: no trainable parameters (the map measures the adapter's gradient; attach a trainable adapter)")
+    for arm in arms:
+        reason = backend.unsupported(arm)
+        if reason:
+            problems.append(reason)
+    if backend.num_images() < settings.images:
+        problems.append(f"images: {settings.images} requested but the backend has {backend.num_images()} probe images")
+    if problems:
+        raise MapInputError(problems)
+    return params
+
+
+def _seed(*parts: int) -> int:
+    return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
+
+
+def arm_key(arm: Arm) -> int:
+    """Stable per-arm stream id: an arm's noise does not depend on which other arms are measured."""
+    return zlib.crc32(arm.name.encode())
+
+
+def _cos(x: torch.Tensor, y: torch.Tensor) -> float:
+    den = float(x.norm() * y.norm())
+    return float(torch.dot(x, y)) / den if den > 0 else math.nan
+
+
+@dataclass
+class Cell:
+    """One (image, bin): what the statistics need, the gradient vectors themselves are dropped."""
+
+    image: int
+    bin: int
+    half_cos: dict[str, float]  # arm -> cos(even-draw sum, odd-draw sum)
+    cos: dict[str, float]  # "native_a|arm" / "native_b|arm" -> cos of the full D-draw sums
+    norm: dict[str, float]  # arm -> ‖D-draw sum‖ / D
+
+
+def make_cell(image: int, bin_: int, halves: dict[str, tuple[torch.Tensor, torch.Tensor]], draws: int) -> Cell:
+    full = {name: h0 + h1 for name, (h0, h1) in halves.items()}
+    cos = {}
+    for ref in (NATIVE_A, NATIVE_B):
+        for name in full:
+            if name != ref and not (ref == NATIVE_B and name == NATIVE_A):
+                cos[f"{ref}|{name}"] = _cos(full[ref], full[name])
+    return Cell(
+        image=image,
+        bin=bin_,
+        half_cos={name: _cos(h0, h1) for name, (h0, h1) in halves.items()},
+        cos=cos,
+        norm={name: float(v.norm()) / draws for name, v in full.items()},
+    )
+
+
+def reliability(half_cos: float) -> float:
+    """Spearman–Brown: reliability of the full sum from the cosine of its two halves (NaN if ≤ 0)."""
+    if not half_cos > 0.0:
+        return math.nan
+    return 2.0 * half_cos / (1.0 + half_cos)
+
+
+def excess(cell: Cell, arm: str, debias: bool = True) -> float:
+    """ĉ(A,B) − ½[ĉ(A,arm) + ĉ(B,arm)]: the arm's gap over the redraw floor, paired on the image."""
+    c_ab, c_ax, c_bx = cell.cos[f"{NATIVE_A}|{NATIVE_B}"], cell.cos[f"{NATIVE_A}|{arm}"], cell.cos[f"{NATIVE_B}|{arm}"]
+    if debias:
+        ra, rb, rx = (reliability(cell.half_cos[n]) for n in (NATIVE_A, NATIVE_B, arm))
+        c_ab /= math.sqrt(ra * rb)
+        c_ax /= math.sqrt(ra * rx)
+        c_bx /= math.sqrt(rb * rx)
+    return c_ab - 0.5 * (c_ax + c_bx)
+
+
+def debiased_floor(cell: Cell) -> float:
+    """ĉ(A,B): should be ≈ 1 when debiasing works (the anchor's native self-floor was 1.005)."""
+    ra, rb = reliability(cell.half_cos[NATIVE_A]), reliability(cell.half_cos[NATIVE_B])
+    return cell.cos[f"{NATIVE_A}|{NATIVE_B}"] / math.sqrt(ra * rb)
+
+
+def flat_grad(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """d loss / d params as one float64 CPU vector; ``.grad`` is never touched (the model stays clean)."""
+    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    parts = [(g if g is not None else torch.zeros_like(p)).detach().reshape(-1) for g, p in zip(grads, params, strict=True)]
+    return torch.cat(parts).to("cpu", torch.float64)
+
+
+def collect(
+    backend: MapBackend,
+    arms: Sequence[Arm],
+    bins: SigmaBins,
+    settings: MapSettings,
+    progress: bool = True,
+) -> list[Cell]:
+    """Run every (image, bin, arm, draw) once; deterministic given ``settings.seed``.
+
+    Noise is seeded per (image, bin, arm, draw) and σ per (image, bin, draw): all arms of a cell
+    see the same σ values, each with its own noise (arms on different grids cannot share noise).
+    """
+    check_inputs(arms, bins, settings)
+    params = check_backend(backend, arms, settings)
+    cells: list[Cell] = []
+    bar = tqdm(total=settings.images * len(bins), desc="map", unit="cell", disable=not progress)
+    for image in range(settings.images):
+        inputs = {arm.name: backend.arm_input(image, arm) for arm in arms}
+        for b in range(len(bins)):
+            bar.set_postfix(image=image, bin=bins.label(b))
+            jitter = [float(np.random.default_rng(_seed(settings.seed, image, b, d, 0x51)).random()) for d in range(settings.draws)]
+            sigmas = bins.sigmas(b, jitter)
+            halves = {}
+            for arm in arms:
+                acc = [None, None]
+                for d, sigma in enumerate(sigmas):
+                    with torch.random.fork_rng(devices=list(backend.rng_devices)):
+                        torch.manual_seed(_seed(settings.seed, image, b, arm_key(arm), d))
+                        loss = backend.loss(image, inputs[arm.name], sigma)
+                    flat = flat_grad(loss, params)
+                    acc[d % 2] = flat if acc[d % 2] is None else acc[d % 2] + flat
+                halves[arm.name] = (acc[0], acc[1])
+            cells.append(make_cell(image, b, halves, settings.draws))
+            bar.update(1)
+    bar.close()
+    return cells
+
+
+@dataclass(frozen=True)
+class BinResult:
+    """One (arm, bin) row of the map. ``excess``/``se``/``ub`` are debiased; ``raw_*`` are not."""
+
+    arm: str
+    kind: str
+    ratio: float | None
+    bin: int
+    lo: float
+    hi: float
+    center: float
+    endpoint: bool
+    n: int
+    trimmed: int
+    excess: float
+    se: float
+    ub: float
+    raw_excess: float
+    raw_se: float
+    floor_cos: float
+    floor_debiased: float
+    rel_native: float
+    rel_arm: float
+    norm_native: float
+    norm_arm: float
+    safe: bool
+
+
+def _mean_se(values: Sequence[float]) -> tuple[float, float, int, int]:
+    kept = [v for v in values if math.isfinite(v) and abs(v) <= TRIM]
+    n = len(kept)
+    if n == 0:
+        return math.nan, math.nan, 0, len(values)
+    mean = float(np.mean(kept))
+    se = float(np.std(kept, ddof=1) / math.sqrt(n)) if n > 1 else math.nan
+    return mean, se, n, len(values) - n
+
+
+def _nanmean(values: Sequence[float]) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return float(np.mean(finite)) if finite else math.nan
+
+
+def upper_bound(mean: float, se: float, n: int, alpha: float) -> float:
+    """One-sided (1−α) t upper bound of a mean; +inf when it cannot be formed (n < 2)."""
+    if n < 2 or not math.isfinite(se):
+        return math.inf
+    return mean + float(stats.t.ppf(1.0 - alpha, n - 1)) * se
+
+
+def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, settings: MapSettings) -> list[BinResult]:
+    """Per compared arm and bin: paired excess statistics and the verdict ``ub < margin``."""
+    alpha = settings.alpha / len(bins) if settings.simultaneous else settings.alpha
+    by_bin: dict[int, list[Cell]] = {}
+    for cell in cells:
+        by_bin.setdefault(cell.bin, []).append(cell)
+    rows = []
+    for arm in (a for a in arms if a.compared):
+        for b in range(len(bins)):
+            group = by_bin.get(b, [])
+            mean, se, n, trimmed = _mean_se([excess(c, arm.name) for c in group])
+            raw_mean, raw_se, _, _ = _mean_se([excess(c, arm.name, debias=False) for c in group])
+            ub = upper_bound(mean, se, n, alpha)
+            lo, hi = bins.bounds(b)
+            rows.append(
+                BinResult(
+                    arm=arm.name,
+                    kind=arm.kind,
+                    ratio=arm.ratio,
+                    bin=b,
+                    lo=lo,
+                    hi=hi,
+                    center=bins.center(b),
+                    endpoint=bins.is_endpoint(b),
+                    n=n,
+                    trimmed=trimmed,
+                    excess=mean,
+                    se=se,
+                    ub=ub,
+                    raw_excess=raw_mean,
+                    raw_se=raw_se,
+                    floor_cos=_nanmean([c.cos[f"{NATIVE_A}|{NATIVE_B}"] for c in group]),
+                    floor_debiased=_nanmean([debiased_floor(c) for c in group]),
+                    rel_native=_nanmean([reliability(c.half_cos[k]) for c in group for k in (NATIVE_A, NATIVE_B)]),
+                    rel_arm=_nanmean([reliability(c.half_cos[arm.name]) for c in group]),
+                    norm_native=_nanmean([c.norm[k] for c in group for k in (NATIVE_A, NATIVE_B)]),
+                    norm_arm=_nanmean([c.norm[arm.name] for c in group]),
+                    safe=ub < settings.margin,
+                )
+            )
+    return rows
+
+
+@dataclass
+class MapResult:
+    """Everything a map run produced; ``provenance`` goes into every output file."""
+
+    bins: SigmaBins
+    arms: tuple[Arm, ...]
+    settings: MapSettings
+    rows: list[BinResult]
+    cells: list[Cell]
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def routes(self) -> list[Arm]:
+        return [a for a in self.arms if a.kind == "latent"]
+
+    def row(self, arm: str, bin_: int) -> BinResult:
+        return next(r for r in self.rows if r.arm == arm and r.bin == bin_)
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "provenance": self.provenance,
+            "settings": asdict(self.settings),
+            "bins": {"edges": list(self.bins.edges), "endpoint": self.bins.endpoint},
+            "arms": [asdict(a) for a in self.arms],
+            "rows": [asdict(r) for r in self.rows],
+            "cells": [asdict(c) for c in self.cells],
+        }
+
+    @classmethod
+    def from_json(cls, blob: dict[str, Any], **verdict: Any) -> MapResult:
+        """Rebuild a result from :meth:`to_json` output (nulls are NaN again). ``verdict`` overrides
+        ``margin``/``alpha``/``simultaneous``: every verdict is re-derived, no gradient recomputed."""
+
+        def nan(d: dict[str, Any]) -> dict[str, float]:
+            return {k: math.nan if v is None else float(v) for k, v in d.items()}
+
+        bins = SigmaBins(tuple(blob["bins"]["edges"]), blob["bins"]["endpoint"])
+        arms = tuple(Arm(**a) for a in blob["arms"])
+        settings = replace(MapSettings(**blob["settings"]), **verdict)
+        cells = [Cell(c["image"], c["bin"], nan(c["half_cos"]), nan(c["cos"]), nan(c["norm"])) for c in blob["cells"]]
+        return cls(bins, arms, settings, summarize(cells, arms, bins, settings), cells, dict(blob["provenance"]))
+
+
+def run_map(
+    backend: MapBackend,
+    arms: Sequence[Arm],
+    bins: SigmaBins,
+    settings: MapSettings,
+    progress: bool = True,
+    provenance: dict[str, Any] | None = None,
+) -> MapResult:
+    """Collect and summarize; records wall time and the backend's description in the provenance."""
+    t0 = time.perf_counter()
+    cells = collect(backend, arms, bins, settings, progress)
+    prov = {**(provenance or {}), "backend": backend.describe(), "wall_s": round(time.perf_counter() - t0, 2)}
+    return MapResult(bins, tuple(arms), settings, summarize(cells, arms, bins, settings), cells, prov)

@@ -1,0 +1,142 @@
+"""From per-bin verdicts to router windows, and the windows TOML the plugin reads as is.
+
+Rules (DESIGN §5): a window is a maximal run of safe segmented bins, (lower edge of its first bin,
+upper edge of its last). A run reaching σ = 1 stays open at the top only when the σ = 1 endpoint
+bin is safe too (σ = 1 is its own estimand); otherwise the window stops at 1, exclusive. Routes
+are stacked deepest (smallest ratio) first, each window strict. Two constraints of the config
+schema shape the output: a window that an earlier (higher-priority) window already covers could
+never fire and is dropped, and only the last rule may leave ``sigma_max`` out, so an open-top
+window anywhere else is closed at 1 (σ = 1 exactly then trains native: conservative).
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+from dataclasses import dataclass
+
+import toml
+
+from ..grid import get_arch
+from .estimator import BinResult, MapResult
+
+
+@dataclass(frozen=True)
+class Window:
+    """One certified window of one route: ``sigma_min < σ < sigma_max`` (None: σ = 1 included)."""
+
+    arm: str
+    ratio: float
+    sigma_min: float
+    sigma_max: float | None
+    first_bin: int
+    last_bin: int
+
+    def text(self) -> str:
+        hi = "1]" if self.sigma_max is None else f"{self.sigma_max:g})"
+        return f"({self.sigma_min:g}, {hi}"
+
+
+def route_windows(rows: list[BinResult], n_segmented: int, ratio: float) -> list[Window]:
+    """Maximal runs of safe segmented bins of one route; ``rows`` are that route's rows by bin."""
+    by_bin = {r.bin: r for r in rows}
+    endpoint = by_bin.get(n_segmented)
+    windows: list[Window] = []
+    start = None
+    for b in range(n_segmented + 1):
+        safe = b < n_segmented and by_bin[b].safe
+        if safe and start is None:
+            start = b
+        elif not safe and start is not None:
+            last = by_bin[b - 1]
+            top_open = b == n_segmented and endpoint is not None and endpoint.safe
+            windows.append(Window(last.arm, ratio, by_bin[start].lo, None if top_open else last.hi, start, b - 1))
+            start = None
+    return windows
+
+
+def _covered(w: Window, earlier: list[Window]) -> bool:
+    """Whether the union of earlier windows covers all of w (then w could never fire)."""
+    reach = w.sigma_min
+    for e in sorted(earlier, key=lambda e: e.sigma_min):
+        if e.sigma_min <= reach and (e.sigma_max is None or e.sigma_max > reach):
+            reach = math.inf if e.sigma_max is None else e.sigma_max
+    w_top = math.inf if w.sigma_max is None else w.sigma_max
+    return reach >= w_top
+
+
+@dataclass(frozen=True)
+class Stack:
+    """Router rules in priority order plus what was changed to make them a valid config, and why."""
+
+    windows: tuple[Window, ...]
+    notes: tuple[str, ...]
+
+
+def stack_windows(result: MapResult) -> Stack:
+    """Every route's windows, deepest route first, made valid for ``config.load_config``."""
+    n_seg = result.bins.n_segmented
+    ordered: list[Window] = []
+    notes: list[str] = []
+    for arm in sorted(result.routes(), key=lambda a: a.ratio):
+        rows = sorted((r for r in result.rows if r.arm == arm.name), key=lambda r: r.bin)
+        found = route_windows(rows, n_seg, arm.ratio)
+        if result.bins.endpoint and rows[-1].safe and not (found and found[-1].sigma_max is None):
+            notes.append(f"{arm.name}: σ = 1 alone is safe, but a single point is not a window; not used")
+        for w in found:
+            if _covered(w, ordered):
+                notes.append(f"{arm.name} {w.text()}: covered by deeper routes' windows, could never fire; dropped")
+            else:
+                ordered.append(w)
+    for i, w in enumerate(ordered[:-1]):
+        if w.sigma_max is None:
+            ordered[i] = Window(w.arm, w.ratio, w.sigma_min, 1.0, w.first_bin, w.last_bin)
+            notes.append(f"{w.arm} {w.text()}: closed at 1 (only the last rule may be open); σ = 1 exactly trains native")
+    return Stack(tuple(ordered), tuple(notes))
+
+
+def route_entry(w: Window, native_edge: float) -> dict:
+    """A ``[[routes]]`` table: tier edges when the target edge is a whole pixel count, else ``scale``."""
+    target = native_edge * w.ratio
+    entry: dict = {}
+    if native_edge > 0 and abs(native_edge - round(native_edge)) < 1e-9 and abs(target - round(target)) < 1e-9:
+        entry["route"] = f"{round(native_edge)}:{round(target)}"
+    else:
+        entry["scale"] = w.ratio
+    entry["sigma_min"] = w.sigma_min
+    if w.sigma_max is not None:
+        entry["sigma_max"] = w.sigma_max
+    return entry
+
+
+def windows_toml(result: MapResult, command: str = "", date: str | None = None) -> str:
+    """A plugin TOML (``downscale_config=``) with a provenance header; ``enable = false`` if no window."""
+    backend = result.provenance.get("backend", {})
+    stack = stack_windows(result)
+    arch = backend.get("arch")
+    h, w = backend.get("native_latent_hw", (0, 0))
+    native_edge = math.sqrt(h * w) * get_arch(arch).vae_factor if arch else 0.0
+    s = result.settings
+    date = date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    header = [
+        "# downscale-plugin windows, written by the map tool (certifier).",
+        f"# model: {backend.get('model', '?')}",
+        f"# adapter: {backend.get('adapter', '?')}",
+        f"# data: {backend.get('data', '?')}; native latent {h}x{w} (tier edge {native_edge:g} px at {arch}'s VAE factor, as the router counts)",
+        f"# D = {s.draws} draws per arm and bin, N = {s.images} images, seed {s.seed}",
+        f"# bins: {result.bins.spec()}",
+        f"# margin ε = {s.margin:g}; safe = one-sided {100 * (1 - s.alpha):g}% t upper bound of the mean paired debiased "
+        f"excess over the native redraw floor < ε{' (Bonferroni over bins)' if s.simultaneous else ''}",
+        f"# date: {date}",
+        f"# command: {command or '?'}",
+    ]
+    header += [f"# note: {n}" for n in stack.notes]
+    doc: dict = {}
+    if arch:
+        doc["arch"] = arch
+    if stack.windows:
+        doc["routes"] = [route_entry(w, native_edge) for w in stack.windows]
+    else:
+        header.append("# no route has a safe window at this margin: the plugin is disabled")
+        doc["enable"] = False
+    return "\n".join(header) + "\n\n" + toml.dumps(doc)

@@ -1,0 +1,292 @@
+"""The map tool: estimator statistics on synthetic gradients, windows, the windows TOML, bad inputs,
+and a tiny end-to-end map on the lab DiT."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import toml
+import torch
+
+from downscale_plugin.config import load_config
+from downscale_plugin.mapping.arms import NATIVE_A, NATIVE_B, Arm, build_arms, latent_arm
+from downscale_plugin.mapping.bins import SigmaBins, parse_bins
+from downscale_plugin.mapping.estimator import BinResult, MapInputError, MapResult, MapSettings, collect, debiased_floor, excess, run_map
+from downscale_plugin.mapping.windows import stack_windows, windows_toml
+from downscale_plugin.router import Router
+
+
+class SyntheticBackend:
+    """Per-draw gradient = μ_arm(image) + s_arm·ε with known cos(μ_native, μ_route) and noise."""
+
+    rng_devices = ()
+
+    def __init__(self, dim: int, images: int, cosines: dict[str, float], noise: dict[str, float], trainable: bool = True):
+        gen = torch.Generator().manual_seed(7)
+        self.theta = torch.nn.Parameter(torch.zeros(dim), requires_grad=trainable)
+        self.mu: dict[tuple[int, str], torch.Tensor] = {}
+        for i in range(images):
+            base = torch.randn(dim, generator=gen)
+            base /= base.norm()
+            orth = torch.randn(dim, generator=gen)
+            orth -= (orth @ base) * base
+            orth /= orth.norm()
+            for name, c in cosines.items():
+                self.mu[i, name] = c * base + math.sqrt(1 - c * c) * orth
+            self.mu[i, NATIVE_A] = self.mu[i, NATIVE_B] = base
+        self.noise = noise
+        self.images = images
+        self.calls = 0
+
+    def describe(self) -> dict:
+        return {"model": "synthetic", "arch": "flux", "native_latent_hw": [128, 128]}
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return [self.theta]
+
+    def num_images(self) -> int:
+        return self.images
+
+    def unsupported(self, arm: Arm) -> str | None:
+        return None
+
+    def arm_input(self, image: int, arm: Arm) -> str:
+        return arm.name
+
+    def loss(self, image: int, arm_input: str, sigma: float) -> torch.Tensor:
+        self.calls += 1
+        s = self.noise.get(arm_input, self.noise["native"]) / math.sqrt(self.theta.numel())
+        return self.theta @ (self.mu[image, arm_input] + s * torch.randn(self.theta.numel()))
+
+
+ROUTE = latent_arm(0.75)
+ARMS = (Arm(NATIVE_A, "native"), Arm(NATIVE_B, "native"), ROUTE)
+
+
+def _synthetic_cells(seed: int = 0):
+    # Reliability of an 8-draw sum: 1/(1 + s²/8): native s=1 -> 0.89, route s=3 -> 0.47.
+    backend = SyntheticBackend(4000, 24, {ROUTE.name: 0.9}, {"native": 1.0, ROUTE.name: 3.0})
+    settings = MapSettings(margin=0.2, draws=8, images=24, seed=seed)
+    return backend, collect(backend, ARMS, parse_bins("0,1"), settings, progress=False), settings
+
+
+def test_debiasing_recovers_the_true_gap_and_raw_is_biased():
+    _, cells, _ = _synthetic_cells()
+    debiased = sum(excess(c, ROUTE.name) for c in cells) / len(cells)
+    raw = sum(excess(c, ROUTE.name, debias=False) for c in cells) / len(cells)
+    raw_floor = sum(c.cos[f"{NATIVE_A}|{NATIVE_B}"] for c in cells) / len(cells)
+    assert debiased == pytest.approx(0.1, abs=0.03)  # true gap 1 − cos = 0.1
+    assert raw > 0.2  # the noisier arm fakes a floor
+    assert raw_floor < 0.95  # raw native-vs-native cosine is attenuated below 1
+    assert sum(debiased_floor(c) for c in cells) / len(cells) == pytest.approx(1.0, abs=0.01)
+
+
+def test_collect_is_deterministic_given_a_seed():
+    _, a, _ = _synthetic_cells(seed=3)
+    _, b, _ = _synthetic_cells(seed=3)
+    _, c, _ = _synthetic_cells(seed=4)
+    assert [x.cos for x in a] == [x.cos for x in b]
+    assert [x.cos for x in a] != [x.cos for x in c]
+
+
+def test_verdict_uses_the_one_sided_upper_bound():
+    backend, _, settings = _synthetic_cells()
+    bins = parse_bins("0,1")
+    tight = run_map(backend, ARMS, bins, settings, progress=False)
+    row = tight.row(ROUTE.name, 0)
+    assert row.n == 24 and row.trimmed == 0
+    assert row.excess < row.ub < row.excess + 2.1 * row.se  # t(0.95, 23) = 1.71
+    assert row.safe == (row.ub < settings.margin)
+    strict = run_map(backend, ARMS, bins, MapSettings(margin=0.05, draws=8, images=24), progress=False)
+    assert not strict.row(ROUTE.name, 0).safe
+
+
+def test_a_saved_map_rederives_at_another_margin_without_gradients(tmp_path):
+    from downscale_plugin.mapping.report import write_json
+
+    backend, _, settings = _synthetic_cells()
+    result = run_map(backend, ARMS, parse_bins("0,0.5,1"), settings, progress=False)
+    write_json(result, str(tmp_path / "map.json"))
+    calls = backend.calls
+    loaded = MapResult.from_json(json.loads((tmp_path / "map.json").read_text()))
+    assert loaded.rows == result.rows
+    looser = MapResult.from_json(json.loads((tmp_path / "map.json").read_text()), margin=0.5)
+    assert all(r.safe for r in looser.rows) and backend.calls == calls
+
+
+# ---------------------------------------------------------------------------------------------- bins
+
+
+def test_default_segmented_bins():
+    bins = parse_bins("0,0.1,4:0.1,0.9,6:0.9,1,4")
+    assert len(bins) == 15 and bins.n_segmented == 14 and bins.is_endpoint(14)
+    assert bins.edges[4] == 0.1 and bins.edges[10] == 0.9 and bins.bounds(14) == (1.0, 1.0)
+    assert parse_bins(bins.spec()) == bins
+    sig = bins.sigmas(5, [0.5] * 4)
+    assert all(bins.edges[5] < s < bins.edges[6] for s in sig) and sig == sorted(sig)
+
+
+@pytest.mark.parametrize("text", ["0.1,0.5,1", "0,0.5,0.4,1", "0,0.5,0.9", "0", "0,a,1", "0,0.5,2:0.6,1,2"])
+def test_bad_bins_are_rejected(text):
+    with pytest.raises(ValueError, match="bins"):
+        parse_bins(text)
+
+
+# ------------------------------------------------------------------------------------------- windows
+
+
+def _result(pattern: dict[float, str], edges=(0, 0.25, 0.5, 0.75, 1.0), endpoint=True) -> MapResult:
+    """A MapResult whose route ``ratio`` is safe on the bins marked 'T' (last char = endpoint bin)."""
+    bins = SigmaBins(tuple(float(e) for e in edges), endpoint)
+    arms = (Arm(NATIVE_A, "native"), Arm(NATIVE_B, "native"), *(latent_arm(r) for r in pattern))
+    rows = []
+    for ratio, marks in pattern.items():
+        assert len(marks) == len(bins)
+        for b, m in enumerate(marks):
+            lo, hi = bins.bounds(b)
+            ub = 0.01 if m == "T" else 0.5
+            rows.append(BinResult(f"latent_{ratio:g}", "latent", ratio, b, lo, hi, 0.5 * (lo + hi), bins.is_endpoint(b), 8, 0,
+                                  ub, 0.0, ub, ub, 0.0, 0.9, 1.0, 0.9, 0.9, 1.0, 1.0, m == "T"))  # fmt: skip
+    settings = MapSettings(margin=0.05, draws=4, images=8)
+    prov = {"backend": {"model": "m", "adapter": "a", "data": "d", "arch": "flux", "native_latent_hw": [128, 128]}}
+    return MapResult(bins, arms, settings, rows, [], prov)
+
+
+def _windows(result):
+    return [(w.ratio, w.sigma_min, w.sigma_max) for w in stack_windows(result).windows]
+
+
+def test_window_open_top_only_when_the_endpoint_bin_is_safe():
+    assert _windows(_result({0.75: "FTTTT"})) == [(0.75, 0.25, None)]
+    assert _windows(_result({0.75: "FTTTF"})) == [(0.75, 0.25, 1.0)]
+    assert _windows(_result({0.75: "TFTFF"})) == [(0.75, 0.0, 0.25), (0.75, 0.5, 0.75)]
+    no_end = _result({0.75: "FTTT"}, endpoint=False)
+    assert _windows(no_end) == [(0.75, 0.25, 1.0)]
+
+
+def test_endpoint_alone_is_not_a_window():
+    result = _result({0.75: "FFFFT"})
+    assert _windows(result) == []
+    assert any("single point" in n for n in stack_windows(result).notes)
+
+
+def test_routes_stack_deepest_first_and_covered_windows_are_dropped():
+    stacked = stack_windows(_result({0.75: "FTTTT", 0.5: "FFTTT"}))
+    assert [(w.ratio, w.sigma_min, w.sigma_max) for w in stacked.windows] == [(0.5, 0.5, 1.0), (0.75, 0.25, None)]
+    assert any("closed at 1" in n for n in stacked.notes)
+    covered = stack_windows(_result({0.75: "FFTTT", 0.5: "FTTTT"}))
+    assert [(w.ratio, w.sigma_min) for w in covered.windows] == [(0.5, 0.25)]
+    assert any("never fire" in n for n in covered.notes)
+
+
+def test_windows_toml_round_trips_into_config_and_router():
+    text = windows_toml(_result({0.75: "FTTTT", 0.5: "FFTTF"}), command="python -m downscale_plugin map --lab", date="D")
+    assert text.startswith("# downscale-plugin windows") and "# command: python -m downscale_plugin map --lab" in text
+    cfg = load_config(plugin_toml=toml.loads(text))
+    assert [(r.label, r.sigma_min, r.sigma_max) for r in cfg.routes] == [("1024:512", 0.5, 1.0), ("1024:768", 0.25, None)]
+    router = Router.from_config(cfg, "flux", seed=0, total_forwards=10)
+    for sigma, expect in ((0.1, None), (0.3, 1), (0.6, 0), (1.0, 1)):
+        decision = router.route(lambda n, s=sigma: torch.full((n,), s), 1, (128, 128), 1)
+        assert (decision.rule_index if decision.routed else None) == expect, sigma
+        if decision.routed:
+            assert decision.target_hw == ((64, 64) if expect == 0 else (96, 96))
+
+
+def test_no_window_disables_the_plugin():
+    cfg = load_config(plugin_toml=toml.loads(windows_toml(_result({0.5: "FFFFF"}))))
+    assert cfg.enable is False and cfg.routes == ()
+
+
+# ---------------------------------------------------------------------------------------- bad inputs
+
+
+@pytest.mark.parametrize(
+    "settings, match",
+    [
+        (MapSettings(draws=1), "draws"),
+        (MapSettings(draws=3), "even"),
+        (MapSettings(images=1), "images"),
+        (MapSettings(margin=0.0), "margin"),
+    ],
+)
+def test_bad_settings_fail_before_any_compute(settings, match):
+    backend = SyntheticBackend(10, 4, {ROUTE.name: 0.9}, {"native": 1.0})
+    with pytest.raises(MapInputError, match=match):
+        collect(backend, ARMS, parse_bins("0,1"), settings, progress=False)
+    assert backend.calls == 0
+
+
+def test_no_routes_and_no_trainable_parameters_fail_before_any_compute():
+    with pytest.raises(ValueError, match="ratios"):
+        build_arms([])
+    with pytest.raises(ValueError, match="strictly between"):
+        build_arms([1.5])
+    backend = SyntheticBackend(10, 4, {ROUTE.name: 0.9}, {"native": 1.0})
+    with pytest.raises(MapInputError, match="no route"):
+        collect(backend, ARMS[:2], parse_bins("0,1"), MapSettings(draws=2, images=2), progress=False)
+    frozen = SyntheticBackend(10, 4, {ROUTE.name: 0.9}, {"native": 1.0}, trainable=False)
+    with pytest.raises(MapInputError, match="no trainable parameters"):
+        collect(frozen, ARMS, parse_bins("0,1"), MapSettings(draws=2, images=2), progress=False)
+    assert backend.calls == frozen.calls == 0
+
+
+def test_cli_lists_every_bad_input_and_exits_2_before_building_anything(capsys):
+    import downscale_plugin.mapping.cli  # noqa: F401  (registers the command)
+    from downscale_plugin.cli import main
+
+    argv = ["map", "--lab", "--ratios", "", "--bins", "0,0.6,0.5,1", "--draws", "1", "--images", "1", "--native_size", "63x64"]
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    for word in ("ratios", "strictly increasing", "draws", "images", "native size"):
+        assert word in err
+    assert main(["map", "--lab", "--ratios", "0.9", "--native_size", "8x8"]) == 2
+    assert "no strictly smaller" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- the lab
+
+
+@pytest.fixture(scope="module")
+def tiny_lab():
+    from downscale_plugin.lab.model import LabModelConfig
+    from downscale_plugin.mapping.lab_backend import LabBackend, LabMapConfig
+
+    tiny = LabModelConfig(hidden_size=32, num_heads=2, double_layers=1, single_layers=1)
+    cfg = LabMapConfig(model=tiny, pretrained=False, native_hw=(16, 16), warm_steps=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model gains nothing from threads and loses a lot on a busy machine
+    yield LabBackend(cfg, images=2, progress=False)
+    torch.set_num_threads(threads)
+
+
+def test_lab_loss_runs_the_trainer_step_at_the_replayed_sigma(tiny_lab):
+    from downscale_plugin.lab import flux_utils
+
+    probe = tiny_lab.probes[0]
+    x = probe["latents"]
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(5)
+        got = tiny_lab.loss(0, x, 0.7).detach()
+    torch.manual_seed(5)
+    noise = torch.randn_like(x)
+    l_pooled, t5_out, txt_ids, _ = probe["text_encoder_outputs_list"]
+    noisy = 0.3 * x + 0.7 * noise
+    pred = tiny_lab.model(img=flux_utils.pack_latents(noisy), img_ids=flux_utils.prepare_img_ids(1, 8, 8), txt=t5_out,
+                          txt_ids=txt_ids, y=l_pooled, timesteps=torch.tensor([0.7]))  # fmt: skip
+    want = torch.nn.functional.mse_loss(flux_utils.unpack_latents(pred, 8, 8), noise - x)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_tiny_lab_map_end_to_end(tiny_lab, tmp_path):
+    from downscale_plugin.mapping.report import console_table, write_outputs
+
+    arms = build_arms([0.75, 0.5])
+    result = run_map(tiny_lab, arms, parse_bins("0,0.5,1"), MapSettings(margin=0.1, draws=2, images=2), progress=False)
+    assert len(result.rows) == 2 * 3 and all(math.isfinite(r.floor_cos) for r in result.rows)
+    assert {p.grad is None for p in tiny_lab.params} == {True}  # gradients never leak into .grad
+    paths = write_outputs(result, str(tmp_path), command="test")
+    load_config(plugin_toml=toml.load(paths["toml"]))
+    assert "latent_0.5" in console_table(result)
+    assert all((tmp_path / name).stat().st_size > 0 for name in ("windows.toml", "map.csv", "map.json", "map.png"))

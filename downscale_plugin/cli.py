@@ -223,8 +223,8 @@ def _bucket(text: str) -> tuple[int, int, float]:
     return out
 
 
-def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
-    add_config_arguments(parser)
+def add_host_sampler_arguments(parser: argparse.ArgumentParser) -> None:
+    """``--arch`` and the host's σ-sampler options, each overriding the training TOML's value."""
     host = parser.add_argument_group("host (default: the training TOML, else sd-scripts' default for the arch)")
     host.add_argument("--arch", choices=ARCH_NAMES, help="architecture (default: the config's arch)")
     host.add_argument("--timestep_sampling", help=f"flow trainers' σ sampler ({', '.join(CLOSED_FORM_MODES)}, sigma, ...)")
@@ -233,6 +233,11 @@ def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
         host.add_argument(f"--{name}", type=float)
     for name in ("min_timestep", "max_timestep"):
         host.add_argument(f"--{name}", type=int, help="SD1.x/SDXL timestep range")
+
+
+def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
+    add_config_arguments(parser)
+    add_host_sampler_arguments(parser)
     data = parser.add_argument_group("batches and buckets")
     data.add_argument("--batch_size", type=int, help="train_batch_size (default 1)")
     data.add_argument("--resolution", help="SIZE or WIDTH,HEIGHT in pixels (default 1024, sd1 512)")

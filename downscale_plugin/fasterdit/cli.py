@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import argparse
 
-from ..cli import HostArgs, add_config_arguments, fail, host_sampler, load_cli_config, register
+from ..cli import HostArgs, add_config_arguments, add_host_sampler_arguments, fail, host_sampler, load_cli_config, register
 from ..config import ARCH_NAMES, ConfigError
 from ..grid import get_arch
-from ..sigma import CLOSED_FORM_MODES, DENSITY_SCHEMES
 from .latent_stds import HOST_LATENT_SCALE, lab_latents, measure_stds, npz_latents
 from .policies import POLICIES
 from .snr_report import build_report, format_report, plot_report
@@ -34,14 +33,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         + ", ".join(f"{k} {v:g}" for k, v in HOST_LATENT_SCALE.items())
         + ", else 1; the lab: 1)",
     )
-    host = parser.add_argument_group("host (default: the training TOML, else sd-scripts' default for the arch)")
-    host.add_argument("--arch", choices=ARCH_NAMES, help="architecture (default: the config's arch)")
-    host.add_argument("--timestep_sampling", help=f"flow trainers' σ sampler ({', '.join(CLOSED_FORM_MODES)}, sigma, ...)")
-    host.add_argument("--weighting_scheme", choices=DENSITY_SCHEMES, help="density of the scheduler-grid path / SD3")
-    for name in ("sigmoid_scale", "discrete_flow_shift", "logit_mean", "logit_std", "mode_scale", "training_shift"):
-        host.add_argument(f"--{name}", type=float)
-    for name in ("min_timestep", "max_timestep"):
-        host.add_argument(f"--{name}", type=int, help="SD1.x/SDXL timestep range")
+    add_host_sampler_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--sigma_policy", choices=POLICIES, default="keep", help="σ policy of routed steps in the mixture curve")
     out.add_argument("--samples", type=int, default=200_000, help="Monte-Carlo σ draws (default 200000)")

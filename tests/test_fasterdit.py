@@ -23,12 +23,12 @@ from downscale_plugin.fasterdit.positions import (
     rope_angles_scope,
     rope_embedder_scope,
 )
-from downscale_plugin.fasterdit.scope import swap_attr
 from downscale_plugin.fasterdit.snr import log_snr, log_snr_cdf, log_snr_histogram, log_snr_pdf
 from downscale_plugin.fasterdit.snr_report import build_report
 from downscale_plugin.fasterdit.stats import Moments
 from downscale_plugin.grid import area_downsample, get_arch
 from downscale_plugin.lab import flux_utils as lab_flux_utils
+from downscale_plugin.scope import swap_attr
 from downscale_plugin.sigma import SigmaSampler
 
 FLUX = get_arch("flux")

@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from .scope import swap_attr
+from ..scope import swap_attr
 
 LOSS_ATTR = "conditional_loss"
 

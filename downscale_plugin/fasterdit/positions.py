@@ -40,7 +40,7 @@ from typing import Any
 import torch
 
 from ..grid import ArchSpec
-from .scope import swap_attr
+from ..scope import swap_attr
 
 POSITIONS = ("plain", "interpolate")
 INTERPOLATE_ARCHS = ("flux", "chroma", "lumina", "anima", "hunyuan_image")  # archs with a position handle

@@ -20,14 +20,14 @@ and every later step would draw the same σ.
 from __future__ import annotations
 
 import copy
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from types import ModuleType
 from typing import Any
 
 import torch
 
+from ..scope import swap_attr
 from ..sigma import ddpm_t_to_sigma
 
 FLOW_CONTRACTS = ("flux", "lumina", "sd3")
@@ -57,17 +57,6 @@ def _remember(drawn: dict[float, tuple[float, float]], timesteps: torch.Tensor, 
     for k, t in zip(keys.tolist(), timesteps.detach().reshape(-1).double().cpu().tolist(), strict=True):
         drawn[k] = (t, k)
     return keys
-
-
-@contextmanager
-def scoped_attr(module: ModuleType, name: str, value: Any) -> Iterator[None]:
-    """Replace ``module.name`` for the duration of the block; always restored, also on exceptions."""
-    original = getattr(module, name)
-    setattr(module, name, value)
-    try:
-        yield
-    finally:
-        setattr(module, name, original)
 
 
 class FlowFamily:
@@ -117,7 +106,7 @@ class FlowFamily:
             pairs = [drawn[k] for k in sigmas.double().cpu().tolist()]
             t_values = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
             s_values = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
-            return scoped_attr(self.module, self.fn_name, self._replay_fn(t_values, s_values, out_dtypes, consume_draw))
+            return swap_attr(self.module, self.fn_name, self._replay_fn(t_values, s_values, out_dtypes, consume_draw))
 
         return BoundSampler(first, draw, replay, drawn)
 
@@ -185,6 +174,6 @@ class DDPMFamily:
                 original(min_t, max_t, b, dev)  # advance the host's RNG as its own draw would
                 return t.to(dev)
 
-            return scoped_attr(self.module, self.fn_name, replayed)
+            return swap_attr(self.module, self.fn_name, replayed)
 
         return BoundSampler(first, draw, replay, drawn)

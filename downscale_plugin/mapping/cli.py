@@ -39,7 +39,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--bins", default=DEFAULT_BINS, help=f"σ bins: 'LO,HI,K:...' segments or an edge list over [0, 1] (default {DEFAULT_BINS})"
     )
     parser.add_argument("--no_endpoint", action="store_true", help="no σ = 1 endpoint bin (then no window is open at the top)")
-    parser.add_argument("--draws", type=int, default=8, help="D: noise draws per arm and bin, even (default 8)")
+    parser.add_argument(
+        "--draws",
+        type=int,
+        default=8,
+        help="D: noise draws per arm and bin, even; >= 8 advised: halves of 1-2 draws make the debiasing unstable (default 8)",
+    )
     parser.add_argument("--images", type=int, default=8, help="N: probe images (default 8)")
     parser.add_argument("--margin", type=float, default=0.05, help="ε: a bin is safe when its upper bound < ε (default 0.05)")
     parser.add_argument("--alpha", type=float, default=0.05, help="one-sided level of the upper bound (default 0.05: 95%%)")

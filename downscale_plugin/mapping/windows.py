@@ -6,7 +6,7 @@ bin is safe too (σ = 1 is its own estimand); otherwise the window stops at 1, e
 are stacked deepest (smallest ratio) first, each window strict. Two constraints of the config
 schema shape the output: a window that an earlier (higher-priority) window already covers could
 never fire and is dropped, and only the last rule may leave ``sigma_max`` out, so an open-top
-window anywhere else is closed at 1 (σ = 1 exactly then trains native: conservative).
+window anywhere else is closed at 1 (σ = 1 exactly then falls to a later rule or native: conservative).
 """
 
 from __future__ import annotations
@@ -91,7 +91,7 @@ def stack_windows(result: MapResult) -> Stack:
     for i, w in enumerate(ordered[:-1]):
         if w.sigma_max is None:
             ordered[i] = Window(w.arm, w.ratio, w.sigma_min, 1.0, w.first_bin, w.last_bin)
-            notes.append(f"{w.arm} {w.text()}: closed at 1 (only the last rule may be open); σ = 1 exactly trains native")
+            notes.append(f"{w.arm} {w.text()}: closed at 1 (only the last rule may be open); σ = 1 exactly falls to a later rule or native")
     return Stack(tuple(ordered), tuple(notes))
 
 

@@ -9,6 +9,7 @@ overhead when nothing routes (a window of zero mass: dry-run draw + router + wra
     python benchmarks/bench_speed.py              # the committed RESULTS.md
     python benchmarks/bench_speed.py --steps 8 --rounds 1   # a smoke run
     python benchmarks/bench_speed.py --overhead_only        # just the nothing-routes cells
+    python benchmarks/bench_speed.py --batch_sizes 4 --samplers flux_shift --gates strict   # one cell
 """
 
 from __future__ import annotations
@@ -75,9 +76,15 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=40, help="steps per run")
     parser.add_argument("--rounds", type=int, default=3, help="native/routed alternations per cell")
     parser.add_argument("--batch_sizes", default="1,4")
+    parser.add_argument("--samplers", default=",".join(SAMPLERS), help="σ samplers of the routed cells")
+    parser.add_argument("--gates", default="coupled,strict", help="gates of the routed cells")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--overhead_only", action="store_true", help="skip the routed cells")
     args = parser.parse_args()
+    for key, given, allowed in (("--samplers", args.samplers, SAMPLERS), ("--gates", args.gates, ("coupled", "strict"))):
+        bad = [v for v in given.split(",") if v not in allowed]
+        if bad:
+            parser.error(f"{key}: {bad} not allowed (allowed: {', '.join(allowed)})")
     model_cfg = LabModelConfig()
     data = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
     model = load_or_pretrain(model_cfg, progress=False, data=data)
@@ -91,8 +98,8 @@ def main() -> None:
     b1_plan = {}
     start = time.perf_counter()
     for batch_size in (int(b) for b in args.batch_sizes.split(",")) if not args.overhead_only else ():
-        for sampler in SAMPLERS:
-            for gate in ("coupled", "strict"):
+        for sampler in args.samplers.split(","):
+            for gate in args.gates.split(","):
                 c = run_cell(model, data, model_cfg, STACKED, gate, sampler, batch_size, args.steps, args.rounds, args.seed)
                 if batch_size == 1:
                     b1_plan[(sampler, gate)] = c["predicted"]

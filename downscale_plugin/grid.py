@@ -12,7 +12,6 @@ import math
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from .config import RouteRule
 
@@ -78,12 +77,34 @@ def target_grid(latent_hw: tuple[int, int], ratio: float, arch: ArchSpec) -> tup
     return th, tw
 
 
+def area_weights(n_in: int, n_out: int, device: torch.device | None = None, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    """(n_out, n_in) exact box-filter weights: output cell i averages the input span [i·s, (i + 1)·s), s = n_in / n_out.
+
+    Each input cell weighs by the length of its overlap with that span, so at a fractional ratio an
+    output averages 1/ratio input cells, not the whole cells the span touches (torch's ``area`` mode,
+    i.e. adaptive average pooling, averages 2 cells per output at ratios 0.75 and 0.875 alike and so
+    removes as much detail as ratio 0.5). Rows sum to 1; every input cell weighs n_out/n_in in total,
+    so the mean is kept at any ratio. At an integer ratio this is plain s×s average pooling.
+    """
+    s = n_in / n_out
+    i = torch.arange(n_out, dtype=torch.float64, device=device)[:, None]
+    j = torch.arange(n_in, dtype=torch.float64, device=device)[None, :]
+    overlap = (torch.minimum((i + 1) * s, j + 1) - torch.maximum(i * s, j)).clamp(min=0)
+    return (overlap / s).to(dtype)
+
+
 def area_downsample(latents: torch.Tensor, target_hw: tuple[int, int]) -> torch.Tensor:
-    """Area-average the last two dims to ``target_hw`` in float32, cast back (4D or 5D latents)."""
-    lead = latents.shape[:-2]
-    flat = latents.reshape(-1, 1, *latents.shape[-2:]).float()
-    small = F.interpolate(flat, size=target_hw, mode="area")
-    return small.reshape(*lead, *target_hw).to(latents.dtype)
+    """Exact area-average (box filter, :func:`area_weights`) of the last two dims to ``target_hw``.
+
+    Computed in float64 (TF32 matmul settings cannot touch it; float32 on MPS, which has no float64)
+    and cast back to the latents' dtype; 4D or 5D latents (5D: per frame).
+    """
+    h, w = latents.shape[-2:]
+    compute = torch.float32 if latents.device.type == "mps" else torch.float64
+    rows = area_weights(h, target_hw[0], latents.device, compute)
+    cols = area_weights(w, target_hw[1], latents.device, compute)
+    small = rows @ latents.to(compute) @ cols.T
+    return small.to(latents.dtype)
 
 
 @dataclass(frozen=True)

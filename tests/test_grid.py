@@ -11,7 +11,16 @@ import torch.nn.functional as F
 from scipy import stats
 
 from downscale_plugin.config import RouteRule
-from downscale_plugin.grid import ARCHS, area_downsample, eligibility_table, rule_ratio, sd_scripts_buckets, target_grid, tokens
+from downscale_plugin.grid import (
+    ARCHS,
+    area_downsample,
+    area_weights,
+    eligibility_table,
+    rule_ratio,
+    sd_scripts_buckets,
+    target_grid,
+    tokens,
+)
 from downscale_plugin.sigma import SigmaSampler, ddpm_alphas_cumprod, ddpm_t_to_sigma, flux_mu, sigma_to_ddpm_t
 
 RESOLUTIONS = (512, 768, 1024, 1280)
@@ -145,13 +154,27 @@ def test_tier_tolerance_edges():
         pytest.param((2, 16, 3, 64, 48), (56, 42), id="5d-video"),
     ],
 )
-def test_area_downsample_dtype_shape_and_fp32_compute(shape, target, dtype):
+def test_area_downsample_dtype_shape_and_exact_weights(shape, target, dtype):
     x = torch.randn(shape, generator=torch.Generator().manual_seed(1)).to(dtype)
     y = area_downsample(x, target)
     assert y.dtype == dtype
     assert y.shape == (*shape[:-2], *target)
-    reference = F.interpolate(x.float().reshape(-1, 1, *shape[-2:]), size=target, mode="area").reshape(y.shape)
-    assert torch.equal(y, reference.to(dtype))
+    # reference: the integral of the piecewise-constant input over each output cell, one cell at a time
+    h, w = shape[-2:]
+    sh, sw = h / target[0], w / target[1]
+    xd = x.double()
+    for i, j in ((0, 0), (target[0] - 1, target[1] - 1), (target[0] // 2, target[1] // 3)):
+        wr = torch.tensor([max(0.0, min((i + 1) * sh, r + 1) - max(i * sh, r)) for r in range(h)], dtype=torch.float64)
+        wc = torch.tensor([max(0.0, min((j + 1) * sw, c + 1) - max(j * sw, c)) for c in range(w)], dtype=torch.float64)
+        cell = torch.einsum("...hw,h,w->...", xd, wr, wc) / (sh * sw)
+        torch.testing.assert_close(y[..., i, j].double(), cell, rtol=0, atol=1e-6 if dtype == torch.float32 else 1e-2)
+
+
+def test_area_weights_rows_sum_to_one_and_columns_weigh_equally():
+    for n_in, n_out in ((64, 48), (64, 56), (80, 70), (128, 96), (7, 3)):
+        weights = area_weights(n_in, n_out)
+        torch.testing.assert_close(weights.sum(1), torch.ones(n_out, dtype=torch.float64))
+        torch.testing.assert_close(weights.sum(0), torch.full((n_in,), n_out / n_in, dtype=torch.float64))
 
 
 def test_area_downsample_5d_is_per_frame():
@@ -170,29 +193,29 @@ def test_area_downsample_5d_is_per_frame():
         pytest.param((2, 4, 60, 90), (20, 30), id="x3"),
     ],
 )
-def test_area_downsample_integer_factor_preserves_mean_exactly(shape, target):
-    # multiples of 9 below 2**24: every 2×2, 3×3 or 4×4 window average is exact in float32,
-    # so the means compare exactly
-    x = torch.randint(-8, 9, shape, generator=torch.Generator().manual_seed(3)).float() * 9
+def test_area_downsample_integer_factor_is_average_pooling(shape, target):
+    x = torch.randn(shape, generator=torch.Generator().manual_seed(3))
     y = area_downsample(x, target)
-    assert torch.equal(y.double().mean(dim=(-1, -2)), x.double().mean(dim=(-1, -2)))
+    pooled = F.avg_pool2d(x.reshape(-1, *shape[-2:]), shape[-1] // target[-1]).reshape(y.shape)
+    torch.testing.assert_close(y, pooled, rtol=0, atol=1e-6)
 
 
-def test_area_downsample_three_quarters_preserves_mean_approximately():
-    # torch's area mode at 3/4 averages overlapping 2-pixel windows: per 4-pixel group the inputs
-    # weigh (2/3, 4/3, 4/3, 2/3) on each axis. Fields constant on aligned 4×4 blocks keep their mean
-    # exactly; for unit white noise the mean moves by N(0, (19/81)/N) (Σ(u_i u_j − 1)² / N² with E[u²]=10/9).
-    gen = torch.Generator().manual_seed(4)
-    blocks = torch.randint(-8, 9, (8, 1, 16, 16), generator=gen).float()
-    x = blocks.repeat_interleave(4, -1).repeat_interleave(4, -2)
-    y = area_downsample(x, (48, 48))
-    assert torch.equal(y.double().mean(dim=(-1, -2)), x.double().mean(dim=(-1, -2)))
+@pytest.mark.parametrize("target", [(48, 48), (56, 56), (48, 56)])
+def test_area_downsample_keeps_the_mean_at_fractional_ratios(target):
+    x = torch.randn(16, 1, 64, 64, generator=torch.Generator().manual_seed(4)) + 3.0
+    y = area_downsample(x, target)
+    torch.testing.assert_close(y.double().mean(dim=(-1, -2)), x.double().mean(dim=(-1, -2)), rtol=0, atol=1e-6)
 
-    noise = torch.randn(512, 1, 64, 64, generator=gen) + 3.0
-    delta = area_downsample(noise, (48, 48)).double().mean(dim=(-1, -2)) - noise.double().mean(dim=(-1, -2))
-    sd = math.sqrt(19 / 81) / 64
-    assert delta.abs().max() < 5 * sd
-    assert 0.8 * sd < delta.std() < 1.2 * sd
+
+@pytest.mark.parametrize(("ratio", "std"), [(0.875, 0.6255), (0.75, 0.5833), (0.5, 0.5)])
+def test_area_downsample_blurs_by_the_ratio_not_like_half(ratio, std):
+    # White noise through an exact box of width 1/r: per axis the output variance is Σ w² over the
+    # overlap weights (averaged over output phases). torch's area mode (adaptive pooling) gives 0.5
+    # at all three ratios: it averages two whole cells per output at 0.875 and 0.75 alike.
+    noise = torch.randn(64, 1, 64, 64, generator=torch.Generator().manual_seed(5))
+    n = int(64 * ratio)
+    assert area_downsample(noise, (n, n)).std().item() == pytest.approx(std, abs=0.005)
+    assert F.interpolate(noise, size=(n, n), mode="area").std().item() == pytest.approx(0.5, abs=0.005)
 
 
 # --- DDPM t ↔ flow σ ----------------------------------------------------------------------------

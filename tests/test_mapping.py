@@ -11,7 +11,7 @@ import toml
 import torch
 
 from downscale_plugin.config import load_config
-from downscale_plugin.mapping.arms import NATIVE_A, NATIVE_B, Arm, build_arms, latent_arm
+from downscale_plugin.mapping.arms import NATIVE_A, NATIVE_B, REENC, Arm, build_arms, latent_arm, pixel_arm
 from downscale_plugin.mapping.bins import SigmaBins, parse_bins
 from downscale_plugin.mapping.estimator import BinResult, MapInputError, MapResult, MapSettings, collect, debiased_floor, excess, run_map
 from downscale_plugin.mapping.windows import stack_windows, windows_toml
@@ -268,7 +268,7 @@ def test_lab_loss_runs_the_trainer_step_at_the_replayed_sigma(tiny_lab):
     x = probe["latents"]
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(5)
-        got = tiny_lab.loss(0, x, 0.7).detach()
+        got = tiny_lab.loss(0, tiny_lab.arm_input(0, ARMS[0]), 0.7).detach()
     torch.manual_seed(5)
     noise = torch.randn_like(x)
     l_pooled, t5_out, txt_ids, _ = probe["text_encoder_outputs_list"]
@@ -282,11 +282,143 @@ def test_lab_loss_runs_the_trainer_step_at_the_replayed_sigma(tiny_lab):
 def test_tiny_lab_map_end_to_end(tiny_lab, tmp_path):
     from downscale_plugin.mapping.report import console_table, write_outputs
 
-    arms = build_arms([0.75, 0.5])
+    arms = (*build_arms([0.75, 0.5], pixel=True, reenc=True), latent_arm(0.5, "res_shift", "interpolate"))
     result = run_map(tiny_lab, arms, parse_bins("0,0.5,1"), MapSettings(margin=0.1, draws=2, images=2), progress=False)
-    assert len(result.rows) == 2 * 3 and all(math.isfinite(r.floor_cos) for r in result.rows)
+    assert len(result.rows) == 6 * 3 and all(math.isfinite(r.floor_cos) for r in result.rows)
+    assert all(math.isfinite(r.over_reenc) == (r.arm != "reenc") for r in result.rows)
     assert {p.grad is None for p in tiny_lab.params} == {True}  # gradients never leak into .grad
     paths = write_outputs(result, str(tmp_path), command="test")
     load_config(plugin_toml=toml.load(paths["toml"]))
-    assert "latent_0.5" in console_table(result)
+    table = console_table(result)
+    assert "latent_0.5" in table and "pixel_0.75" in table and "over the re-encode control" in table
+    assert "latent_0.5@res_shift+interp" in (tmp_path / "windows.toml").read_text()  # listed, not a route there
+    variant = load_config(plugin_toml=toml.load(paths["toml@res_shift+interp"]))
+    assert (variant.sigma_policy, variant.positions) == ("res_shift", "interpolate") and paths["toml@res_shift+interp"].endswith(
+        "windows@res_shift+interp.toml"
+    )
     assert all((tmp_path / name).stat().st_size > 0 for name in ("windows.toml", "map.csv", "map.json", "map.png"))
+
+
+# ------------------------------------------------- VAE arms, σ policies, positions (issues 4 and 5)
+
+
+def test_codec_decode_is_the_pseudo_inverse_of_encode():
+    from downscale_plugin.lab.data import FACTOR, LatentCodec
+
+    codec = LatentCodec(16, seed=3)
+    gen = torch.Generator().manual_seed(0)
+    codec.mean, codec.std = torch.randn(16, generator=gen), torch.rand(16, generator=gen) + 0.5
+    z = torch.randn(2, 16, 6, 5, generator=gen)
+    assert codec.decode(z).shape == (2, 3, 6 * FACTOR, 5 * FACTOR)
+    torch.testing.assert_close(codec.encode(codec.decode(z)), z, atol=1e-5, rtol=0)
+    x = torch.rand(2, 3, 24, 20, generator=gen)
+    p = codec.project(x)  # decode(encode(x)) is the per-patch orthogonal projection onto the kept rows
+    want = torch.nn.functional.pixel_shuffle(torch.einsum("ck,bchw->bkhw", codec.projection, p), FACTOR)
+    got = codec.decode(codec.encode(x))
+    torch.testing.assert_close(got, want, atol=1e-5, rtol=0)
+    torch.testing.assert_close(codec.decode(codec.encode(got)), got, atol=1e-5, rtol=0)  # idempotent
+    residual = torch.nn.functional.pixel_unshuffle(x - got, FACTOR)
+    assert torch.einsum("ck,bkhw->bchw", codec.projection, residual).abs().max() < 1e-5  # the loss is orthogonal to the kept rows
+    assert (x - got).norm() > 0.1 * x.norm()  # lossy: 32 of 48 directions dropped
+    full = LatentCodec(48, seed=3)
+    torch.testing.assert_close(full.decode(full.encode(x)), x, atol=1e-5, rtol=0)
+
+
+def test_arm_names_routability_and_bad_arms():
+    arms = build_arms([0.75], pixel=True, reenc=True, policies=["res_shift", "keep"], positions=["interpolate"])
+    assert [a.name for a in arms] == [NATIVE_A, NATIVE_B, "latent_0.75", "latent_0.75+interp", "latent_0.75@res_shift",
+                                      "latent_0.75@res_shift+interp", "pixel_0.75", "reenc"]  # fmt: skip
+    assert [a.name for a in arms if a.routable] == ["latent_0.75"]
+    assert arms[-1] == REENC and arms[5].policy == "res_shift" and arms[5].positions == "interpolate"
+    with pytest.raises(ValueError, match=r"policies: \['warp'\] not allowed \(allowed: keep, res_shift, snr_match\)"):
+        build_arms([0.75], policies=["warp"])
+    with pytest.raises(ValueError, match=r"positions: .*allowed: plain, interpolate"):
+        build_arms([0.75], positions=["yarn"])
+    with pytest.raises(ValueError, match="duplicates"):
+        build_arms([0.75], policies=["keep", "keep"])
+    with pytest.raises(ValueError, match="small-grid arms"):
+        Arm("reenc", "reenc", policy="res_shift")
+    with pytest.raises(ValueError, match="ratio is required"):
+        Arm("latent", "latent")
+    with pytest.raises(ValueError, match="allowed: native, latent, reenc, pixel"):
+        Arm("x", "vae")
+
+
+def test_cli_rejects_bad_policies_and_pixel_arms_without_a_grid(capsys):
+    import downscale_plugin.mapping.cli  # noqa: F401  (registers the command)
+    from downscale_plugin.cli import main
+
+    assert main(["map", "--lab", "--policies", "keep,warp", "--positions", "yarn"]) == 2
+    assert "policies: ['warp'] not allowed (allowed: keep, res_shift, snr_match)" in capsys.readouterr().err
+    assert main(["map", "--lab", "--ratios", "0.9", "--pixel", "--native_size", "8x8"]) == 2
+    assert "arm pixel_0.9: ratio 0.9: no strictly smaller" in capsys.readouterr().err
+
+
+def test_excess_over_reenc_is_the_paired_difference():
+    from downscale_plugin.mapping.report import console_table
+
+    route, variant = latent_arm(0.75), latent_arm(0.75, "res_shift")
+    backend = SyntheticBackend(2000, 12, {route.name: 0.9, variant.name: 0.95, "reenc": 0.97}, {"native": 1.0})
+    arms = (*ARMS[:2], route, variant, REENC)
+    result = run_map(backend, arms, parse_bins("0,1"), MapSettings(margin=0.5, draws=8, images=12), progress=False)
+    row, reenc = result.row(route.name, 0), result.row("reenc", 0)
+    want = [excess(c, route.name) - excess(c, "reenc") for c in result.cells if c.bin == 0]
+    assert row.over_reenc == pytest.approx(sum(want) / len(want)) and row.over_reenc_n == 12
+    assert row.over_reenc == pytest.approx(0.1 - 0.03, abs=0.03) and row.over_reenc < row.over_reenc_ub
+    assert math.isnan(reenc.over_reenc) and reenc.over_reenc_n == 0
+    assert math.isnan(run_map(backend, ARMS, parse_bins("0,1"), result.settings, progress=False).row(ROUTE.name, 0).over_reenc)
+    assert "over the re-encode control" in console_table(result)
+    # one TOML per setting: the default one routes latent_0.75 and lists the variant; the variant's sets its policy
+    assert result.route_settings() == [("keep", "plain"), ("res_shift", "plain")]
+    assert [w.arm for w in stack_windows(result).windows] == [route.name]
+    text = windows_toml(result)
+    assert f"#   {variant.name}: (0, 1]" in text and "#   reenc" not in text
+    assert load_config(plugin_toml=toml.loads(text)).sigma_policy == "keep"
+    cfg = load_config(plugin_toml=toml.loads(windows_toml(result, setting=variant.setting)))
+    assert cfg.sigma_policy == "res_shift" and [(r.label, r.sigma_min, r.sigma_max) for r in cfg.routes] == [("1024:768", 0.0, None)]
+
+
+def _spy(model):
+    """Record (σ timestep, img_ids) of every model forward."""
+    seen = []
+    handle = model.register_forward_pre_hook(
+        lambda m, a, kw: seen.append((kw["timesteps"].item(), kw["img_ids"].clone())), with_kwargs=True
+    )
+    return seen, handle
+
+
+def test_lab_backend_runs_every_arm_kind_with_the_right_inputs(tiny_lab):
+    arms = build_arms([0.5, 0.75], pixel=True, reenc=True, policies=["keep", "res_shift", "snr_match"], positions=["plain", "interpolate"])
+    native = tiny_lab.probes[0]["latents"]
+    for arm in arms:
+        inp = tiny_lab.arm_input(0, arm)
+        small = {0.5: (8, 8), 0.75: (12, 12)}.get(arm.ratio, (16, 16))
+        assert inp.latents.shape == (1, native.shape[1], *small), arm.name
+        assert math.isfinite(tiny_lab.loss(0, inp, 0.6).item()), arm.name
+    torch.testing.assert_close(tiny_lab.arm_input(0, REENC).latents, native, atol=1e-4, rtol=0)  # the lab round trip is exact
+    pixel, latent = tiny_lab.arm_input(0, pixel_arm(0.75)).latents, tiny_lab.arm_input(0, latent_arm(0.75)).latents
+    assert (pixel - latent).norm() > 0.05 * latent.norm()  # downscaling pixels is not downscaling latents
+
+
+def test_policy_arms_run_at_their_sigma_and_interpolated_ids_span_the_native_grid(tiny_lab):
+    from downscale_plugin.fasterdit.policies import shift_sigma
+    from downscale_plugin.lab import flux_utils
+
+    original = flux_utils.prepare_img_ids
+    seen, handle = _spy(tiny_lab.model)
+    try:
+        for arm in (latent_arm(0.5), latent_arm(0.5, "res_shift"), latent_arm(0.5, "snr_match", "interpolate")):
+            tiny_lab.loss(0, tiny_lab.arm_input(0, arm), 0.7)
+    finally:
+        handle.remove()
+    (t_keep, ids_keep), (t_res, ids_res), (t_snr, ids_snr) = seen
+    assert t_keep == pytest.approx(0.7)
+    assert t_res == pytest.approx(shift_sigma(0.7, 0.5)) and t_res < 0.6  # k = √(16 / 64 tokens)
+    native_std, small_std = tiny_lab.stds["latent", 0.5]
+    assert t_snr == pytest.approx(shift_sigma(0.7, small_std / native_std), rel=1e-5) and small_std < native_std
+    assert tiny_lab.describe()["sigma_policy_factors"]["latent_0.5@res_shift"] == 0.5
+    # 8x8 latent = 4x4 packed tokens; native 16x16 = 8x8: plain ids 0..3, interpolated 0, 2, 4, 6 (pitch 2 spans [0, 8))
+    assert ids_keep[..., 1].max() == 3 and ids_res[..., 1].max() == 3
+    for axis in (1, 2):
+        assert sorted(set(ids_snr[..., axis].flatten().tolist())) == [0, 2, 4, 6]
+    assert flux_utils.prepare_img_ids is original  # restored after the forward

@@ -161,6 +161,17 @@ class LatentCodec:
         z = self.project(pixels)
         return (z - self.mean[:, None, None]) / self.std[:, None, None]
 
+    def decode(self, latents: torch.Tensor) -> torch.Tensor:
+        """The pseudo-inverse of :meth:`encode`: un-normalise, projection transpose, pixel-shuffle.
+
+        [B, C, h, w] -> [B, 3, 4h, 4w]. The rows are orthonormal, so ``encode(decode(z)) == z`` for
+        every latent (up to float rounding), and ``decode(encode(x))`` is the per-patch orthogonal
+        projection of x onto the C kept directions: the 48 − C discarded ones come back as zero, and
+        the result is no image in [0, 1] (the random rows keep only part of each patch's mean).
+        """
+        z = latents * self.std[:, None, None] + self.mean[:, None, None]
+        return F.pixel_shuffle(torch.einsum("ck,bchw->bkhw", self.projection, z), FACTOR)
+
 
 class LabData:
     """Deterministic lab corpus; batch ``step`` of a run is a pure function of (seed, step)."""
@@ -191,7 +202,7 @@ class LabData:
     def num_classes(self) -> int:
         return len(self.names)
 
-    def _make_batch(self, rng: np.random.Generator, bucket: tuple[int, int], batch_size: int) -> dict:
+    def _make_batch(self, rng: np.random.Generator, bucket: tuple[int, int], batch_size: int, pixels: bool = False) -> dict:
         h, w = bucket
         crops, classes = [], []
         for _ in range(batch_size):
@@ -202,24 +213,26 @@ class LabData:
             crop = img[:, y : y + h, x : x + w]
             crops.append(crop.flip(-1) if rng.random() < 0.5 else crop)
             classes.append(src)
-        pixels = torch.stack(crops).float() / 255.0
-        return {
-            "latents": self.codec.encode(pixels),
+        images = torch.stack(crops).float() / 255.0
+        batch = {
+            "latents": self.codec.encode(images),
             "loss_weights": torch.ones(batch_size),
             "captions": [self.names[c] for c in classes],
             "class_ids": torch.tensor(classes, dtype=torch.long),
             "bucket": bucket,
         }
+        return {**batch, "pixels": images} if pixels else batch
 
-    def batch(self, step: int, batch_size: int, seed: int) -> dict:
+    def batch(self, step: int, batch_size: int, seed: int, pixels: bool = False) -> dict:
         """One bucket per batch, chosen uniformly; random source, scale, crop and horizontal flip.
 
         Returns ``latents`` [B, C, h, w], ``loss_weights`` [B], ``captions``, ``class_ids`` [B] and
-        ``bucket`` (pixels), the keys the lab trainer reads (``latents``/``loss_weights`` as in sd-scripts).
+        ``bucket`` (pixels), the keys the lab trainer reads (``latents``/``loss_weights`` as in sd-scripts);
+        with ``pixels`` also the RGB crops the latents encode, ``pixels`` [B, 3, H, W] in [0, 1].
         """
         rng = np.random.default_rng([seed, step])
         bucket = self.cfg.buckets[int(rng.integers(len(self.cfg.buckets)))]
-        return self._make_batch(rng, bucket, batch_size)
+        return self._make_batch(rng, bucket, batch_size, pixels)
 
     def validation_set(self, per_bucket: int = 2, seed: int = 0) -> list[dict]:
         """A fixed held-out draw: one batch of ``per_bucket`` crops per bucket (its own RNG stream)."""

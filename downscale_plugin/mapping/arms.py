@@ -6,6 +6,13 @@ downsample (what the plugin trains on), and, for a backend that has a VAE, a re-
 (decode, encode at native size: prices the VAE round trip) and a "downscale pixels, then encode"
 arm (the seed paper's construction, to compare with latent-area). The estimator is model-agnostic:
 it only asks a :class:`MapBackend` for each arm's input once per image and for one draw's loss.
+
+A small-grid arm (``latent``/``pixel``) may also run its step at a σ policy's σ (issue 5:
+``keep``/``res_shift``/``snr_match``; the map's bin σ is the drawn σ, as the window gate reads it)
+and with position ids interpolated to the native span (``plain``/``interpolate``). The plugin
+applies one ``sigma_policy``/``positions`` setting to every routed step, so the latent arms of each
+measured setting make one windows TOML (``windows.toml`` for keep/plain, ``windows@res_shift+interp.toml``
+...); pixel and reenc arms are comparisons the plugin cannot run, never routes.
 """
 
 from __future__ import annotations
@@ -16,38 +23,98 @@ from typing import Any, Protocol
 
 import torch
 
+from ..config import POSITIONS
+from ..config import SIGMA_POLICIES as POLICIES
+
 NATIVE_A = "native_a"
 NATIVE_B = "native_b"
 ARM_KINDS = ("native", "latent", "reenc", "pixel")
+SMALL_KINDS = ("latent", "pixel")  # arms on a route's smaller grid: they take a ratio, a policy and positions
+PLAIN = ("keep", "plain")  # the (sigma_policy, positions) setting of the plugin's defaults
+
+
+def setting_suffix(setting: tuple[str, str]) -> str:
+    """``""`` for keep/plain, else ``@res_shift``, ``+interp``, ``@snr_match+interp``: arm names and TOML file names."""
+    policy, positions = setting
+    return (f"@{policy}" if policy != "keep" else "") + ("+interp" if positions == "interpolate" else "")
 
 
 @dataclass(frozen=True)
 class Arm:
-    """``kind`` in :data:`ARM_KINDS`; ``ratio`` is the linear downscale for ``latent``/``pixel``."""
+    """``kind`` in :data:`ARM_KINDS`; ``ratio`` is the linear downscale for ``latent``/``pixel``;
+    ``policy`` (the config's ``SIGMA_POLICIES``) and ``positions`` (``POSITIONS``) apply to those two kinds only."""
 
     name: str
     kind: str
     ratio: float | None = None
+    policy: str = "keep"
+    positions: str = "plain"
+
+    def __post_init__(self) -> None:
+        if self.kind not in ARM_KINDS:
+            raise ValueError(f"arm {self.name}: kind {self.kind!r} is not allowed (allowed: {', '.join(ARM_KINDS)})")
+        if self.policy not in POLICIES:
+            raise ValueError(f"arm {self.name}: policy {self.policy!r} is not allowed (allowed: {', '.join(POLICIES)})")
+        if self.positions not in POSITIONS:
+            raise ValueError(f"arm {self.name}: positions {self.positions!r} is not allowed (allowed: {', '.join(POSITIONS)})")
+        if (self.ratio is not None) != (self.kind in SMALL_KINDS):
+            raise ValueError(f"arm {self.name}: a ratio is required for kinds {', '.join(SMALL_KINDS)} and only for them")
+        if self.kind not in SMALL_KINDS and (self.policy, self.positions) != ("keep", "plain"):
+            raise ValueError(
+                f"arm {self.name}: a σ policy or interpolated positions apply to small-grid arms ({', '.join(SMALL_KINDS)}) only"
+            )
 
     @property
     def compared(self) -> bool:
         """Whether the map reports a row for this arm (everything but the two native arms)."""
         return self.kind != "native"
 
+    @property
+    def setting(self) -> tuple[str, str]:
+        """(sigma_policy, positions): the plugin setting a latent arm's windows are valid under."""
+        return self.policy, self.positions
 
-def latent_arm(ratio: float) -> Arm:
-    return Arm(f"latent_{ratio:g}", "latent", ratio)
+    @property
+    def routable(self) -> bool:
+        """A latent arm under the plugin's default setting (keep, plain): a route of ``windows.toml``."""
+        return self.kind == "latent" and self.setting == PLAIN
+
+
+def small_arm(kind: str, ratio: float, policy: str = "keep", positions: str = "plain") -> Arm:
+    """``latent_0.75``, ``latent_0.75@res_shift``, ``latent_0.75+interp``, ``pixel_0.75@snr_match+interp``."""
+    return Arm(f"{kind}_{ratio:g}{setting_suffix((policy, positions))}", kind, ratio, policy, positions)
+
+
+def latent_arm(ratio: float, policy: str = "keep", positions: str = "plain") -> Arm:
+    return small_arm("latent", ratio, policy, positions)
 
 
 def pixel_arm(ratio: float) -> Arm:
-    return Arm(f"pixel_{ratio:g}", "pixel", ratio)
+    return small_arm("pixel", ratio)
 
 
 REENC = Arm("reenc", "reenc")
 
 
-def build_arms(ratios: Sequence[float], pixel: bool = False, reenc: bool = False) -> tuple[Arm, ...]:
-    """Native A, native B, one latent-area arm per ratio (deepest first), optional VAE arms."""
+def _choices(key: str, values: Sequence[str], allowed: Sequence[str]) -> list[str]:
+    bad = [v for v in values if v not in allowed]
+    if bad:
+        raise ValueError(f"{key}: {bad} not allowed (allowed: {', '.join(allowed)})")
+    if len(set(values)) != len(values):
+        raise ValueError(f"{key}: {list(values)} has duplicates")
+    return list(values)
+
+
+def build_arms(
+    ratios: Sequence[float],
+    pixel: bool = False,
+    reenc: bool = False,
+    policies: Sequence[str] = ("keep",),
+    positions: Sequence[str] = ("plain",),
+) -> tuple[Arm, ...]:
+    """Native A, native B, per ratio (deepest first) one latent-area arm per (policy, positions),
+    then the optional VAE arms. The plain ``keep`` arm of each ratio is always included: it runs under
+    the plugin's default setting and is the baseline its variants are read against."""
     if not ratios:
         raise ValueError("ratios: at least one route ratio is required (e.g. 0.875,0.75,0.5)")
     bad = [r for r in ratios if not 0.0 < r < 1.0]
@@ -55,8 +122,11 @@ def build_arms(ratios: Sequence[float], pixel: bool = False, reenc: bool = False
         raise ValueError(f"ratios: {bad} must be strictly between 0 and 1 (a linear downscale)")
     if len(set(ratios)) != len(ratios):
         raise ValueError(f"ratios: {list(ratios)} has duplicates")
+    policies = ["keep", *(p for p in _choices("policies", policies, POLICIES) if p != "keep")]
+    positions = ["plain", *(p for p in _choices("positions", positions, POSITIONS) if p != "plain")]
     ordered = sorted(ratios)
-    arms = [Arm(NATIVE_A, "native"), Arm(NATIVE_B, "native"), *(latent_arm(r) for r in ordered)]
+    arms = [Arm(NATIVE_A, "native"), Arm(NATIVE_B, "native")]
+    arms += [latent_arm(r, pol, pos) for r in ordered for pol in policies for pos in positions]
     if pixel:
         arms += [pixel_arm(r) for r in ordered]
     if reenc:
@@ -69,8 +139,8 @@ class MapBackend(Protocol):
 
     ``loss`` must draw its noise from torch's global RNG (the estimator seeds it per
     (image, bin, arm, draw) inside a fork) and return the training loss of exactly one draw at the
-    given σ, built by the trainer's own step code; the estimator differentiates it w.r.t.
-    ``trainable_parameters()`` only.
+    given (drawn) σ, built by the trainer's own step code; the estimator differentiates it w.r.t.
+    ``trainable_parameters()`` only. An arm's σ policy and positions travel in its ``arm_input``.
     """
 
     rng_devices: Sequence[int]

@@ -9,6 +9,13 @@ Every input is checked before the model is built (exit 2 listing every problem).
 ``map.json`` (rows, per-image cells, provenance), ``map.png``; the table is printed as well.
 ``--from_json`` re-derives verdicts and windows at another margin/level from a saved map: the margin
 is a policy choice, the gradients are the expensive part, and they are never recomputed.
+
+``--policies``/``--positions`` add, per ratio, one latent arm per (σ policy, positions) pair
+(``latent_0.75@res_shift``, ``latent_0.75+interp``, ...); ``--pixel`` adds a pixel-then-encode arm
+per ratio, ``--reenc`` the re-encode control. The plugin runs one ``sigma_policy``/``positions``
+setting for every routed step, so each measured setting gets its own windows file
+(``windows.toml`` for keep/plain, ``windows@res_shift+interp.toml`` ... setting both keys); pixel
+and reenc arms are comparisons, never routes.
 """
 
 from __future__ import annotations
@@ -35,6 +42,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--quick", action="store_true", help="use the quick (seconds) lab pretrain instead of the default (minutes, cached)"
     )
     parser.add_argument("--ratios", default="0.875,0.75,0.5", help="route linear ratios, comma-separated (default 0.875,0.75,0.5)")
+    parser.add_argument(
+        "--policies", default="keep", help="σ policies of the latent arms, comma-separated: keep,res_shift,snr_match (default keep)"
+    )
+    parser.add_argument(
+        "--positions", default="plain", help="positions of the latent arms, comma-separated: plain,interpolate (default plain)"
+    )
+    parser.add_argument("--pixel", action="store_true", help="add a pixel-downscale-then-encode arm per ratio (lab: true crop pixels)")
+    parser.add_argument("--reenc", action="store_true", help="add the re-encode control (decode, encode at native size)")
     parser.add_argument(
         "--bins", default=DEFAULT_BINS, help=f"σ bins: 'LO,HI,K:...' segments or an edge list over [0, 1] (default {DEFAULT_BINS})"
     )
@@ -65,11 +80,18 @@ def _native_size(text: str) -> tuple[int, int]:
     return int(h), int(w)
 
 
+def _names(text: str) -> list[str]:
+    return [t.strip() for t in text.split(",") if t.strip()]
+
+
 def command_line(args: argparse.Namespace) -> str:
     """The canonical command that reproduces this run (every setting spelled out)."""
     parts = ["python -m downscale_plugin map --lab"]
     parts += ["--quick"] if args.quick else []
-    parts += [f"--ratios {args.ratios}", f"--bins {args.bins}", f"--draws {args.draws}", f"--images {args.images}"]
+    parts += [f"--ratios {args.ratios}", f"--policies {args.policies}", f"--positions {args.positions}"]
+    parts += ["--pixel"] if args.pixel else []
+    parts += ["--reenc"] if args.reenc else []
+    parts += [f"--bins {args.bins}", f"--draws {args.draws}", f"--images {args.images}"]
     parts += [f"--margin {args.margin:g}", f"--alpha {args.alpha:g}", f"--native_size {args.native_size}", f"--rank {args.rank}"]
     parts += [f"--warm_steps {args.warm_steps}", f"--seed {args.seed}", f"--out {args.out}"]
     parts += ["--no_endpoint"] if args.no_endpoint else []
@@ -78,7 +100,8 @@ def command_line(args: argparse.Namespace) -> str:
 
 
 # Flags that only mean something when gradients are measured; --from_json refuses them.
-MEASUREMENT_FLAGS = ("quick", "ratios", "bins", "no_endpoint", "draws", "images", "native_size", "rank", "warm_steps", "seed")
+MEASUREMENT_FLAGS = ("quick", "ratios", "policies", "positions", "pixel", "reenc", "bins", "no_endpoint", "draws", "images",
+                     "native_size", "rank", "warm_steps", "seed")  # fmt: skip
 
 
 def rederive(args: argparse.Namespace, parser_defaults: dict) -> int:
@@ -113,9 +136,14 @@ def run(args: argparse.Namespace) -> int:
     problems: list[str] = []
     arms = bins = lab_cfg = None
     try:
-        arms = build_arms([float(r) for r in args.ratios.split(",") if r.strip()])
+        ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
     except ValueError as err:
-        problems.append(str(err) if "ratios" in str(err) else f"ratios: {args.ratios!r}: {err}")
+        problems.append(f"ratios: {args.ratios!r}: {err}")
+    else:
+        try:
+            arms = build_arms(ratios, args.pixel, args.reenc, _names(args.policies), _names(args.positions))
+        except ValueError as err:
+            problems.append(str(err))
     try:
         bins = parse_bins(args.bins, endpoint=not args.no_endpoint)
     except ValueError as err:

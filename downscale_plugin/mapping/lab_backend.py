@@ -10,22 +10,46 @@ adapter would measure only half its parameters. The anchor measured a *trained* 
 adapter is warm-trained natively for a few steps (``warm_steps``) so both factors carry gradient,
 and the gradient is taken w.r.t. every adapter parameter, base model frozen.
 
-The lab has no VAE (its "codec" is a fixed linear map), so only the native and latent-area arms
-are available; ``reenc`` and ``pixel`` arms need a backend with a real VAE (see ``arms.py``).
+VAE arms on the lab codec (``lab.data.LatentCodec``: pixel-unshuffle by 4, orthonormal 48→C rows,
+per-channel norm; lossy, C of 48 directions kept):
+
+- ``pixel_<r>`` = encode(area-downsample(the probe crop's *true* pixels) to the target grid × 4 px):
+  the seed paper's "downscale the PNG, then encode" (it used LANCZOS; area here, the latent arm's
+  filter family, so pixel vs latent isolates where the averaging happens). Not the decoded latent:
+  decode(z) is the patch-wise projection of the pixels, the discarded 48 − C directions are zero
+  there, and after a pixel downsample they would have mixed into the kept ones.
+- ``reenc`` = encode(decode(latent)) at native size. Encoding the true pixels again would be the
+  native latent by construction, so the round trip must go through decode; with orthonormal rows
+  it is the identity up to float rounding (~4e-6), so on the lab this control is a third,
+  independent native draw set: the null witness (≈ 0) against which the map also reports every
+  arm's paired excess. It prices no codec loss, unlike a real VAE's round trip. (Clamping the decoded
+  image to [0, 1] would be no fix: the decoded pixels are far outside it, ~25 % of values, and the
+  clamp moves the latent by 30–50 %.)
+
+Policies and positions (issue 5): a small-grid arm's step runs at ``shift_sigma(σ, k)`` with the
+policy's factor k (``res_shift`` from the token counts, ``snr_match`` from the data stds of the
+native probe latents and of this arm's small inputs, pooled over every probe), replayed through the
+host sampler slot; with ``interpolate`` the forward runs inside ``positions_scope`` (Flux ids from
+``lab.flux_utils.prepare_img_ids``), so the small grid's ids span the native extent.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
 import torch
 
-from ..grid import area_downsample, get_arch, target_grid
+from ..fasterdit.policies import policy_factor, shift_sigma
+from ..fasterdit.positions import positions_scope
+from ..fasterdit.stats import Moments
+from ..grid import area_downsample, get_arch, target_grid, tokens
 from ..hosts.families import FlowFamily
-from .arms import Arm
+from ..lab.data import FACTOR
+from .arms import SMALL_KINDS, Arm
 
 PROBE_STREAM = 0x9B0BE  # probe crops come from their own data stream, never the warm-up batches
 
@@ -47,18 +71,28 @@ class LabMapConfig:
     data: Any = field(default=None, compare=False)  # a LabData to reuse; None = build the default
 
 
+@dataclass(frozen=True)
+class ArmInput:
+    """One arm's data for one probe: its latent, the σ policy factor k its step runs at
+    (``shift_sigma(σ, k)``; 1 = keep) and whether its position ids are interpolated to the native span."""
+
+    latents: torch.Tensor
+    shift: float = 1.0
+    interpolate: bool = False
+
+
 def select_probes(data: Any, n: int, native_hw: tuple[int, int], seed: int) -> list[dict]:
     """n probe crops of exactly ``native_hw`` latent cells, deterministic in ``seed``.
 
     Batches come from ``data.batch(step, 1, ...)`` on a dedicated stream; a latent at least that
     large is cropped at a seeded position (the lab codec is local, so a latent crop is the encoding
-    of the image crop).
+    of the image crop, kept as ``pixels`` for the pixel arms).
     """
     h, w = native_hw
     probes: list[dict] = []
     used: set[int] = set()
     for step in range(200 * n):
-        batch = data.batch(step, 1, seed + PROBE_STREAM)
+        batch = data.batch(step, 1, seed + PROBE_STREAM, pixels=True)
         lat, source = batch["latents"], int(batch["class_ids"][0])
         # Distinct source images first (a map over many crops of one photo says little); repeats
         # only once every source is in.
@@ -68,9 +102,9 @@ def select_probes(data: Any, n: int, native_hw: tuple[int, int], seed: int) -> l
         rng = np.random.default_rng([seed, step, PROBE_STREAM])
         y = int(rng.integers(lat.shape[-2] - h + 1))
         x = int(rng.integers(lat.shape[-1] - w + 1))
-        probes.append(
-            {"latents": lat[..., y : y + h, x : x + w].contiguous(), "class_ids": batch["class_ids"], "caption": batch["captions"][0]}
-        )
+        pixels = batch["pixels"][..., FACTOR * y : FACTOR * (y + h), FACTOR * x : FACTOR * (x + w)].contiguous()
+        latents = lat[..., y : y + h, x : x + w].contiguous()
+        probes.append({"latents": latents, "pixels": pixels, "class_ids": batch["class_ids"], "caption": batch["captions"][0]})
         if len(probes) == n:
             return probes
     raise ValueError(
@@ -86,10 +120,12 @@ def lab_problems(cfg: LabMapConfig, arms: list[Arm] | tuple[Arm, ...]) -> list[s
         return [f"native size: {h}x{w} latent cells must be positive multiples of {arch.multiple} ({arch.name})"]
     problems = []
     for arm in arms:
-        if arm.kind in ("reenc", "pixel"):
-            problems.append(f"arm {arm.name}: the lab has no VAE; re-encode and pixel-downscale arms need a backend with one")
-        elif arm.kind == "latent" and target_grid(cfg.native_hw, arm.ratio, arch) is None:
-            problems.append(f"ratio {arm.ratio:g}: no strictly smaller {arch.name} grid for a {h}x{w} latent (multiple {arch.multiple})")
+        if arm.kind in SMALL_KINDS and target_grid(cfg.native_hw, arm.ratio, arch) is None:
+            problems.append(
+                f"arm {arm.name}: ratio {arm.ratio:g}: no strictly smaller {arch.name} grid for a {h}x{w} latent (multiple {arch.multiple})"
+            )
+        if arm.positions == "interpolate" and arch.name not in ("flux", "chroma"):
+            problems.append(f"arm {arm.name}: positions 'interpolate' on the lab needs arch flux or chroma (its ids), not {arch.name}")
     if cfg.warm_steps < 0 or cfg.rank < 1:
         problems.append(f"adapter: rank {cfg.rank} must be >= 1 and warm_steps {cfg.warm_steps} >= 0")
     return problems
@@ -101,7 +137,7 @@ class LabBackend:
     rng_devices: tuple[int, ...] = ()
 
     def __init__(self, cfg: LabMapConfig, images: int, progress: bool = True) -> None:
-        from ..lab import flux_train_utils
+        from ..lab import flux_train_utils, flux_utils
         from ..lab.data import LabData, LabDataConfig
         from ..lab.model import LabModelConfig, LabTextEncoder, build_model
         from ..lab.pretrain import load_or_pretrain
@@ -112,6 +148,7 @@ class LabBackend:
             raise ValueError("; ".join(problems))
         self.cfg = cfg
         self.arch = get_arch(cfg.arch)
+        self.flux_utils = flux_utils  # the module whose ``prepare_img_ids`` the trainer calls (positions scope)
         model_cfg = cfg.model or LabModelConfig()
         data = cfg.data or LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
         self.probes = select_probes(data, images, cfg.native_hw, cfg.seed)
@@ -120,6 +157,9 @@ class LabBackend:
         else:
             self.model = build_model(model_cfg, cfg.seed).requires_grad_(False)
         self.model_cfg = model_cfg
+        self.codec = data.codec
+        self.stds: dict[tuple[str, float], tuple[float, float]] = {}  # (kind, ratio) -> (native std, small std), for snr_match
+        self.shifts: dict[str, float] = {}  # arm name -> policy factor k, as used (provenance)
         self.params = inject_lora(self.model, cfg.rank, float(cfg.rank), cfg.seed)
         self.args = lab_args(seed=cfg.seed, network_dim=cfg.rank, network_alpha=float(cfg.rank))
         self.trainer, self.accelerator = LabTrainer(), LabAccelerator()
@@ -164,6 +204,10 @@ class LabBackend:
             "arch": self.cfg.arch,
             "native_latent_hw": list(self.cfg.native_hw),
             "note": "lab latents are 4 px per cell; the tier edge uses the arch's VAE factor, as the router does",
+            "codec": f"lab LatentCodec (pixel-unshuffle 4, orthonormal 48->{self.codec.projection.shape[0]}, per-channel norm); "
+            "pixel arms: area-downsampled true crop pixels, encoded; reenc: encode(decode(latent)), exact up to float rounding",
+            "sigma_policy_factors": dict(self.shifts),
+            "data_stds": {f"{kind}_{ratio:g}": list(v) for (kind, ratio), v in self.stds.items()},
         }
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -176,24 +220,55 @@ class LabBackend:
         problems = lab_problems(self.cfg, (arm,))
         return problems[0] if problems else None
 
-    def arm_input(self, image: int, arm: Arm) -> torch.Tensor:
-        latents = self.probes[image]["latents"]
-        if arm.kind == "native":
-            return latents
-        return area_downsample(latents, target_grid(self.cfg.native_hw, arm.ratio, self.arch))
+    def _latents(self, image: int, kind: str, ratio: float | None) -> torch.Tensor:
+        """The latent an arm of ``kind`` trains on for one probe (see the module docstring)."""
+        probe = self.probes[image]
+        if kind == "native":
+            return probe["latents"]
+        if kind == "reenc":
+            return self.codec.encode(self.codec.decode(probe["latents"]))
+        small_hw = target_grid(self.cfg.native_hw, ratio, self.arch)
+        if kind == "latent":
+            return area_downsample(probe["latents"], small_hw)
+        return self.codec.encode(area_downsample(probe["pixels"], (FACTOR * small_hw[0], FACTOR * small_hw[1])))
 
-    def loss(self, image: int, arm_input: torch.Tensor, sigma: float) -> torch.Tensor:
-        """One draw of the trainer's loss at exactly ``sigma`` (timestep σ·1000, the host's continuous-mode value)."""
-        key = float(sigma)
+    def _shift(self, arm: Arm) -> float:
+        """The arm's σ policy factor k; ``snr_match`` stds pooled over every probe, once per (kind, ratio)."""
+        if arm.policy == "keep":
+            return 1.0
+        small_hw = target_grid(self.cfg.native_hw, arm.ratio, self.arch)
+        stds: tuple[float, ...] = ()
+        if arm.policy == "snr_match":
+            key = (arm.kind, arm.ratio)
+            if key not in self.stds:
+                native, small = Moments(), Moments()
+                for i in range(len(self.probes)):
+                    native.add(self.probes[i]["latents"])
+                    small.add(self._latents(i, arm.kind, arm.ratio))
+                self.stds[key] = (native.std, small.std)
+            stds = self.stds[key]
+        k = policy_factor(arm.policy, tokens(self.cfg.native_hw, self.arch), tokens(small_hw, self.arch), *stds)
+        self.shifts[arm.name] = k
+        return k
+
+    def arm_input(self, image: int, arm: Arm) -> ArmInput:
+        return ArmInput(self._latents(image, arm.kind, arm.ratio), self._shift(arm), arm.positions == "interpolate")
+
+    def loss(self, image: int, arm_input: ArmInput, sigma: float) -> torch.Tensor:
+        """One draw of the trainer's loss; the step runs at the arm's policy σ (timestep σ·1000, the
+        host's continuous-mode value), inside the positions scope for an interpolating arm."""
+        key = float(shift_sigma(sigma, arm_input.shift)) if arm_input.shift != 1.0 else float(sigma)
         self.sampler.drawn[key] = (key * self.noise_scheduler.config.num_train_timesteps, key)
         probe = self.probes[image]
         batch = {
-            "latents": arm_input,
+            "latents": arm_input.latents,
             "loss_weights": torch.ones(1),
             "class_ids": probe["class_ids"],
             "text_encoder_outputs_list": probe["text_encoder_outputs_list"],
         }
-        with self.sampler.replay(torch.tensor([key], dtype=torch.float64)):
+        small_hw = tuple(arm_input.latents.shape[-2:])
+        scope = positions_scope(self.arch, self.cfg.native_hw, small_hw, module=self.flux_utils) if arm_input.interpolate else nullcontext()
+        with self.sampler.replay(torch.tensor([key], dtype=torch.float64)), scope:
             return self.trainer.process_batch(
                 batch, self.text_encoder, self.model, self.model, self.noise_scheduler, torch.float32, self.accelerator, self.args
             )

@@ -7,10 +7,12 @@ import csv
 import json
 import math
 import os
+from collections.abc import Callable
 from dataclasses import asdict, fields
 
+from .arms import PLAIN, setting_suffix
 from .estimator import BinResult, MapResult
-from .windows import stack_windows, windows_toml
+from .windows import arm_windows, other_windows, stack_windows, windows_toml
 
 OUTPUT_FILES = ("windows.toml", "map.csv", "map.json", "map.png")
 
@@ -21,36 +23,60 @@ def _fmt(x: float, signed: bool = True) -> str:
     return f"{x:+.3f}" if signed else f"{x:.3f}"
 
 
-def console_table(result: MapResult) -> str:
-    """Bins down, routes across: ``mean ± SE  ≤UB`` with ``*`` on safe bins; then the windows."""
-    routes = result.routes()
-    others = [a for a in result.arms if a.compared and a.kind != "latent"]
-    arms = routes + others
-    s = result.settings
+COLUMNS = 4  # arms per console block: a map with policy/positions variants stays readable
+
+
+def _blocks(result: MapResult, arms: list, cell: Callable[[BinResult], str]) -> list[str]:
+    """Bins down, at most :data:`COLUMNS` arms across per block, each cell from ``cell(row)``."""
     width = 31
-    head = f"{'σ bin':<16}{'floor cos':>10}{'ĉ(A,B)':>8}  " + "".join(f"{a.name:>{width}}" for a in arms)
+    lines: list[str] = []
+    for start in range(0, len(arms), COLUMNS):
+        chunk = arms[start : start + COLUMNS]
+        head = f"{'σ bin':<16}{'floor cos':>10}{'ĉ(A,B)':>8}  " + "".join(f"{a.name:>{width}}" for a in chunk)
+        lines += [head, "-" * len(head)]
+        for b in range(len(result.bins)):
+            first = result.row(chunk[0].name, b)
+            cells = "".join(cell(result.row(a.name, b)).rjust(width) for a in chunk)
+            lines.append(f"{result.bins.label(b):<16}{_fmt(first.floor_cos, False):>10}{_fmt(first.floor_debiased, False):>8}  " + cells)
+    return lines
+
+
+def _floor_cell(r: BinResult) -> str:
+    kept = f" n={r.n}" if r.trimmed else ""
+    return f"{_fmt(r.excess)} ± {_fmt(r.se, False)} ≤{_fmt(r.ub)}{'*' if r.safe else ' '}{kept}"
+
+
+def _reenc_cell(r: BinResult) -> str:
+    kept = f" n={r.over_reenc_n}" if r.over_reenc_n < r.n + r.trimmed else ""
+    return f"{_fmt(r.over_reenc)} ± {_fmt(r.over_reenc_se, False)} ≤{_fmt(r.over_reenc_ub)} {kept}"
+
+
+def console_table(result: MapResult) -> str:
+    """Bins down, arms across: ``mean ± SE  ≤UB`` with ``*`` on safe bins; the excess over the
+    re-encode control when the map has one; then the windows of each setting and of the pixel arms."""
+    routes = result.routes()
+    arms = routes + [a for a in result.arms if a.compared and a not in routes]
+    s = result.settings
     lines = [
         f"paired debiased excess over the native redraw floor, mean ± SE ≤ {100 * (1 - s.alpha):g}% UB"
         f"{' (Bonferroni)' if s.simultaneous else ''}; * = safe at ε = {s.margin:g}; n = images kept after trimming"
         f"  (N={s.images}, D={s.draws})",
-        head,
-        "-" * len(head),
+        *_blocks(result, arms, _floor_cell),
     ]
-    for b in range(len(result.bins)):
-        first = result.row(arms[0].name, b)
-        cells = []
-        for a in arms:
-            r = result.row(a.name, b)
-            mark = "*" if r.safe else " "
-            kept = f" n={r.n}" if r.trimmed else ""
-            cells.append(f"{_fmt(r.excess)} ± {_fmt(r.se, False)} ≤{_fmt(r.ub)}{mark}{kept}".rjust(width))
-        lines.append(
-            f"{result.bins.label(b):<16}{_fmt(first.floor_cos, False):>10}{_fmt(first.floor_debiased, False):>8}  " + "".join(cells)
-        )
-    stack = stack_windows(result)
+    vs_reenc = [a for a in arms if a.kind != "reenc"]
+    if len(vs_reenc) < len(arms):
+        lines += ["", "paired excess over the re-encode control (arm − reenc per image; not used for verdicts)"]
+        lines += _blocks(result, vs_reenc, _reenc_cell)
     lines.append("")
-    lines.append("windows (priority order): " + (", ".join(f"{w.arm} {w.text()}" for w in stack.windows) or "none"))
-    lines += [f"  note: {n}" for n in stack.notes]
+    for setting in result.route_settings():
+        stack = stack_windows(result, setting)
+        label = f"windows{setting_suffix(setting)}.toml (sigma_policy = {setting[0]}, positions = {setting[1]}; priority order): "
+        lines.append(label + (", ".join(f"{w.arm} {w.text()}" for w in stack.windows) or "none"))
+        lines += [f"  note: {n}" for n in stack.notes]
+    pixel = [a for a in result.arms if a.kind == "pixel"]
+    if pixel:
+        lines.append("pixel-then-encode arms (a comparison, not routes: the plugin downsamples latents):")
+        lines += [f"  {a.name}: {', '.join(w.text() for w in arm_windows(result, a)) or 'no window'}" for a in pixel]
     return "\n".join(lines)
 
 
@@ -68,6 +94,7 @@ def write_json(result: MapResult, path: str) -> None:
     stack = stack_windows(result)
     blob["windows"] = [asdict(w) for w in stack.windows]
     blob["window_notes"] = list(stack.notes)
+    blob["other_windows"] = {name: [asdict(w) for w in ws] for name, ws in other_windows(result).items()}
     with open(path, "w") as fh:
         json.dump(_finite(blob), fh, indent=1, allow_nan=False)
 
@@ -142,11 +169,15 @@ def write_png(result: MapResult, path: str) -> None:
 
 
 def write_outputs(result: MapResult, out_dir: str, command: str = "") -> dict[str, str]:
-    """Write every output file into ``out_dir``; returns {kind: path}."""
+    """Write every output file into ``out_dir``; returns {kind: path}, ``toml`` for the default
+    setting's windows and ``toml@res_shift+interp`` etc. for each other measured setting."""
     os.makedirs(out_dir, exist_ok=True)
     paths = {name.rsplit(".", 1)[1]: os.path.join(out_dir, name) for name in OUTPUT_FILES}
-    with open(paths["toml"], "w") as fh:
-        fh.write(windows_toml(result, command))
+    for setting in result.route_settings() or [PLAIN]:
+        suffix = setting_suffix(setting)
+        paths[f"toml{suffix}"] = os.path.join(out_dir, f"windows{suffix}.toml")
+        with open(paths[f"toml{suffix}"], "w") as fh:
+            fh.write(windows_toml(result, command, setting=setting))
     write_csv(result, paths["csv"])
     write_json(result, paths["json"])
     write_png(result, paths["png"])

@@ -7,6 +7,11 @@ are stacked deepest (smallest ratio) first, each window strict. Two constraints 
 schema shape the output: a window that an earlier (higher-priority) window already covers could
 never fire and is dropped, and only the last rule may leave ``sigma_max`` out, so an open-top
 window anywhere else is closed at 1 (σ = 1 exactly then falls to a later rule or native: conservative).
+
+One TOML per measured (sigma_policy, positions) setting: the plugin applies that setting to every
+routed step, so a file's rules come from the latent arms measured under it, and a file for a
+non-default setting sets the two keys. Every other small-grid arm (other settings, pixel-then-encode,
+which the plugin cannot run) is listed with its own windows in a comment (:func:`other_windows`).
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ from dataclasses import dataclass
 import toml
 
 from ..grid import get_arch
+from .arms import PLAIN, Arm
 from .estimator import BinResult, MapResult
 
 
@@ -65,6 +71,18 @@ def _covered(w: Window, earlier: list[Window]) -> bool:
     return reach >= w_top
 
 
+def arm_windows(result: MapResult, arm: Arm) -> list[Window]:
+    """One arm's own windows (no stacking)."""
+    rows = sorted((r for r in result.rows if r.arm == arm.name), key=lambda r: r.bin)
+    return route_windows(rows, result.bins.n_segmented, arm.ratio)
+
+
+def other_windows(result: MapResult, setting: tuple[str, str] = PLAIN) -> dict[str, list[Window]]:
+    """Every small-grid arm that is not a route of ``setting`` -> its own windows (none: an empty list)."""
+    routes = result.routes(setting)
+    return {a.name: arm_windows(result, a) for a in result.arms if a.ratio is not None and a not in routes}
+
+
 @dataclass(frozen=True)
 class Stack:
     """Router rules in priority order plus what was changed to make them a valid config, and why."""
@@ -73,15 +91,13 @@ class Stack:
     notes: tuple[str, ...]
 
 
-def stack_windows(result: MapResult) -> Stack:
-    """Every route's windows, deepest route first, made valid for ``config.load_config``."""
-    n_seg = result.bins.n_segmented
+def stack_windows(result: MapResult, setting: tuple[str, str] = PLAIN) -> Stack:
+    """The windows of the routes measured under ``setting``, deepest first, made valid for ``config.load_config``."""
     ordered: list[Window] = []
     notes: list[str] = []
-    for arm in sorted(result.routes(), key=lambda a: a.ratio):
-        rows = sorted((r for r in result.rows if r.arm == arm.name), key=lambda r: r.bin)
-        found = route_windows(rows, n_seg, arm.ratio)
-        if result.bins.endpoint and rows[-1].safe and not (found and found[-1].sigma_max is None):
+    for arm in sorted(result.routes(setting), key=lambda a: a.ratio):
+        found = arm_windows(result, arm)
+        if result.bins.endpoint and result.row(arm.name, len(result.bins) - 1).safe and not (found and found[-1].sigma_max is None):
             notes.append(f"{arm.name}: σ = 1 alone is safe, but a single point is not a window; not used")
         for w in found:
             if _covered(w, ordered):
@@ -109,10 +125,10 @@ def route_entry(w: Window, native_edge: float) -> dict:
     return entry
 
 
-def windows_toml(result: MapResult, command: str = "", date: str | None = None) -> str:
-    """A plugin TOML (``downscale_config=``) with a provenance header; ``enable = false`` if no window."""
+def windows_toml(result: MapResult, command: str = "", date: str | None = None, setting: tuple[str, str] = PLAIN) -> str:
+    """A plugin TOML (``downscale_config=``) for one setting, with a provenance header; ``enable = false`` if no window."""
     backend = result.provenance.get("backend", {})
-    stack = stack_windows(result)
+    stack = stack_windows(result, setting)
     arch = backend.get("arch")
     h, w = backend.get("native_latent_hw", (0, 0))
     native_edge = math.sqrt(h * w) * get_arch(arch).vae_factor if arch else 0.0
@@ -129,11 +145,20 @@ def windows_toml(result: MapResult, command: str = "", date: str | None = None) 
         f"excess over the native redraw floor < ε{' (Bonferroni over bins)' if s.simultaneous else ''}",
         f"# date: {date}",
         f"# command: {command or '?'}",
+        f"# routed steps run with sigma_policy = {setting[0]}, positions = {setting[1]} (arms: {', '.join(a.name for a in result.routes(setting))})",
     ]
     header += [f"# note: {n}" for n in stack.notes]
+    others = other_windows(result, setting)
+    if others:
+        header.append(
+            "# other arms, not routes here (another setting has its own windows@<setting>.toml; the plugin cannot run pixel arms):"
+        )
+        header += [f"#   {name}: {', '.join(w.text() for w in ws) or 'no window'}" for name, ws in others.items()]
     doc: dict = {}
     if arch:
         doc["arch"] = arch
+    if setting != PLAIN:
+        doc["sigma_policy"], doc["positions"] = setting
     if stack.windows:
         doc["routes"] = [route_entry(w, native_edge) for w in stack.windows]
     else:

@@ -23,6 +23,8 @@ setup(
             "scipy>=1.10",
             "tqdm>=4.60",
         ],
+        # mode = "map" inside an sd-scripts run (numpy and tqdm come with sd-scripts).
+        "map": ["scipy>=1.10", "matplotlib>=3.7"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },
     entry_points={"console_scripts": ["downscale-plugin=downscale_plugin.cli:main"]},

@@ -108,7 +108,11 @@ def route_histogram(probs: Mapping[int, float], route_tokens: Mapping[int, int],
 
 @dataclass(frozen=True)
 class StepRecord:
-    """One train step: route (``rule_index`` −1 = native), per-sample σ and tokens per sample."""
+    """One train step: route (``rule_index`` −1 = native), per-sample σ and tokens per sample.
+
+    ``sigmas`` are the drawn σ (what the window gate read); ``run_sigmas`` the σ the step ran at
+    when a σ policy mapped them (None: the drawn ones).
+    """
 
     step: int
     rule_index: int
@@ -119,10 +123,21 @@ class StepRecord:
     resampled: int = 0
     fallback: str | None = None
     loss: float | None = None
+    run_sigmas: list[float] | None = None
+
+    @property
+    def sigmas_run(self) -> list[float]:
+        return self.sigmas if self.run_sigmas is None else self.run_sigmas
 
     @classmethod
     def from_decision(
-        cls, step: int, decision: Any, latent_hw: tuple[int, int], arch: str | ArchSpec, loss: float | None = None
+        cls,
+        step: int,
+        decision: Any,
+        latent_hw: tuple[int, int],
+        arch: str | ArchSpec,
+        loss: float | None = None,
+        run_sigmas: torch.Tensor | None = None,
     ) -> StepRecord:
         """Build from a :class:`~downscale_plugin.router.RouteDecision` and the step's native latent grid."""
         spec = arch if isinstance(arch, ArchSpec) else get_arch(arch)
@@ -137,6 +152,7 @@ class StepRecord:
             resampled=decision.resampled,
             fallback=decision.fallback,
             loss=loss,
+            run_sigmas=None if run_sigmas is None or run_sigmas is decision.sigmas else [float(s) for s in run_sigmas.reshape(-1).tolist()],
         )
 
 
@@ -156,7 +172,8 @@ class Accounting:
     ``predicted_flop_saving`` is the plan's saving (both from :mod:`downscale_plugin.plan`).
     ``token_values`` fixes the histogram layout :meth:`reduced` sums across ranks (every rank must
     pass the same list; :meth:`vocabulary` builds it from the bucket list). ``loss_window``: the
-    number of recent losses per route behind the ``downscale/loss/*`` scalars.
+    number of recent losses per route behind the ``downscale/loss/*`` scalars. ``sigma_policy``
+    names the σ policy of routed steps; the drawn and the run σ of routed samples are summed apart.
     """
 
     def __init__(
@@ -169,6 +186,7 @@ class Accounting:
         fallback_reasons: Sequence[str] = FALLBACK_REASONS,
         token_values: Iterable[int] = (),
         loss_window: int = 100,
+        sigma_policy: str = "keep",
     ):
         self.rules = tuple(rules)
         self.flop_model = flop_model
@@ -177,6 +195,7 @@ class Accounting:
         self.fallback_reasons = tuple(dict.fromkeys((*fallback_reasons, "other")))
         self.token_values = tuple(sorted(set(token_values)))
         self.loss_window = loss_window
+        self.sigma_policy = sigma_policy
         slots = len(self.rules) + 1  # rules, then native
         self.steps = [0.0] * slots
         self.samples = [0.0] * slots
@@ -184,6 +203,8 @@ class Accounting:
         self.loss_count = [0.0] * slots
         self.fallbacks = dict.fromkeys(self.fallback_reasons, 0.0)
         self.resampled = 0.0
+        self.sigma_drawn = 0.0  # sums over routed samples: the σ the gate read, the σ the step ran at
+        self.sigma_run = 0.0
         self.flops_native = 0.0
         self.flops_run = 0.0
         self.tokens_native = 0.0
@@ -221,6 +242,9 @@ class Accounting:
         self.steps[slot] += 1
         self.samples[slot] += n
         self.resampled += rec.resampled
+        if rec.rule_index >= 0:
+            self.sigma_drawn += sum(rec.sigmas)
+            self.sigma_run += sum(rec.sigmas_run)
         if rec.fallback is not None:
             reason = rec.fallback if rec.fallback in self.fallbacks else "other"
             self.fallbacks[reason] += 1
@@ -255,6 +279,10 @@ class Accounting:
         """Step fraction per rule index (−1 native)."""
         total = self.total_steps
         return {(-1 if s == len(self.rules) else s): (c / total if total else 0.0) for s, c in enumerate(self.steps)}
+
+    @property
+    def routed_samples(self) -> float:
+        return sum(self.samples[:-1])
 
     def demote_fraction(self) -> float:
         total = self.total_steps
@@ -293,6 +321,10 @@ class Accounting:
             out["downscale/tokens_run_mean"] = self.tokens_run / n
             out["downscale/tokens_native_mean"] = self.tokens_native / n
             out["downscale/resampled_frac"] = self.resampled / n
+        routed = self.routed_samples
+        if routed and self.sigma_policy != "keep":
+            out["downscale/sigma_drawn_routed_mean"] = self.sigma_drawn / routed
+            out["downscale/sigma_run_routed_mean"] = self.sigma_run / routed
         out["downscale/token_saving"] = self.token_saving()
         saving = self.flop_saving()
         if saving is not None:
@@ -319,6 +351,9 @@ class Accounting:
         n = sum(self.samples)
         resampled = f"; σ redrawn for {_pct(self.resampled / n)} of samples" if n else ""
         lines.append(f"  routed {_pct(self.demote_fraction())} of steps{pred}{resampled}; fallbacks: {fallbacks}")
+        routed = self.routed_samples
+        means = f": routed samples drawn at mean σ {self.sigma_drawn / routed:.4f}, run at {self.sigma_run / routed:.4f}" if routed else ""
+        lines.append(f"  σ policy {self.sigma_policy}{means}")
         if n:
             lines.append(
                 f"  tokens per sample: native {self.tokens_native / n:.0f}, run {self.tokens_run / n:.0f} "
@@ -347,6 +382,7 @@ class Accounting:
             "window": windows,
             "fallbacks": dict(self.fallbacks),
             "resampled": self.resampled,
+            "sigma": (self.sigma_drawn, self.sigma_run),
             "flops": (self.flops_native, self.flops_run),
             "tokens": (self.tokens_native, self.tokens_run),
             "hist_run": dict(self.hist_run),
@@ -364,6 +400,8 @@ class Accounting:
             key = reason if reason in self.fallbacks else "other"
             self.fallbacks[key] += count
         self.resampled += state["resampled"]
+        self.sigma_drawn += state["sigma"][0]
+        self.sigma_run += state["sigma"][1]
         self.flops_native += state["flops"][0]
         self.flops_run += state["flops"][1]
         self.tokens_native += state["tokens"][0]
@@ -385,6 +423,8 @@ class Accounting:
             *(w[1] for w in windows),
             *self.fallbacks.values(),
             self.resampled,
+            self.sigma_drawn,
+            self.sigma_run,
             self.flops_native,
             self.flops_run,
             self.tokens_native,
@@ -411,6 +451,7 @@ class Accounting:
             fallback_reasons=self.fallback_reasons,
             token_values=self.token_values,
             loss_window=self.loss_window,
+            sigma_policy=self.sigma_policy,
         )
         slots = len(self.steps)
         take = iter(flat)
@@ -421,7 +462,8 @@ class Accounting:
         out.steps, out.samples, out.loss_sum, out.loss_count = chunk(slots), chunk(slots), chunk(slots), chunk(slots)
         out._window = list(zip(chunk(slots), chunk(slots), strict=True))
         out.fallbacks = dict(zip(self.fallback_reasons, chunk(len(self.fallback_reasons)), strict=True))
-        out.resampled, out.flops_native, out.flops_run, out.tokens_native, out.tokens_run, outside = chunk(6)
+        out.resampled, out.sigma_drawn, out.sigma_run = chunk(3)
+        out.flops_native, out.flops_run, out.tokens_native, out.tokens_run, outside = chunk(5)
         hist_run, hist_native = chunk(len(self.token_values)), chunk(len(self.token_values))
         if outside == 0:
             out.hist_run = {n_tok: c for n_tok, c in zip(self.token_values, hist_run, strict=True) if c}

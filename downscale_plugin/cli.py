@@ -92,7 +92,18 @@ def _run_check(args: argparse.Namespace) -> int:
         f"  enable {str(cfg.enable).lower()}, gate {cfg.gate}, seed {seed}, max_tries {cfg.max_tries}, "
         f"tier_tolerance {cfg.tier_tolerance:g}, arch {cfg.arch or 'auto'}, inner {cfg.inner or 'auto'}"
     )
-    print("\n".join(_routes_text(cfg)))
+    print(
+        f"  direction_loss_weight {cfg.direction_loss_weight:g}, direction_loss_only_routed {str(cfg.direction_loss_only_routed).lower()}, "
+        f"sigma_policy {cfg.sigma_policy}, positions {cfg.positions}"
+    )
+    if cfg.mode == "map":
+        print(
+            f"  mode map: map_out {cfg.map_out}, after_map {cfg.after_map}, ratios {', '.join(f'{r:g}' for r in cfg.map_ratios)}, "
+            f"bins {cfg.map_bins}, draws {cfg.map_draws}, images {cfg.map_images}, margin {cfg.map_margin:g}"
+            f"{', Bonferroni' if cfg.map_simultaneous else ''}; the routes come from the map"
+        )
+    else:
+        print("\n".join(_routes_text(cfg)))
     if not cfg.enable:
         print("  routing is off (enable = false): every step runs native")
     return 0

@@ -17,6 +17,7 @@ and what is allowed, before any model is loaded.
 from __future__ import annotations
 
 import difflib
+import math
 import os
 import random
 from collections.abc import Mapping, Sequence
@@ -25,7 +26,14 @@ from typing import Any
 
 import toml
 
+from .mapping.bins import DEFAULT_BINS, parse_bins
+
 GATES = ("coupled", "strict")
+SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at (fasterdit.policies)
+POSITIONS = ("plain", "interpolate")  # position ids of a routed step (fasterdit.positions)
+MODES = ("train", "map")  # map: measure the gradient map inside the run and derive the windows (mapping/)
+AFTER_MAP = ("stop", "train")
+DEFAULT_MAP_RATIOS = (0.875, 0.75, 0.5)
 SPAN_MODES = ("early", "late", "spread")
 ARCH_NAMES = ("flux", "chroma", "sd3", "lumina", "anima", "hunyuan_image", "sdxl", "sd1")
 NETWORK_ARGS_PREFIX = "ds_"
@@ -119,6 +127,19 @@ class DownscaleConfig:
     tier_tolerance: float = 0.1
     arch: str | None = None
     inner: str | None = None
+    direction_loss_weight: float = 0.0
+    direction_loss_only_routed: bool = False
+    sigma_policy: str = "keep"
+    positions: str = "plain"
+    mode: str = "train"
+    after_map: str = "stop"
+    map_ratios: tuple[float, ...] = DEFAULT_MAP_RATIOS
+    map_bins: str = DEFAULT_BINS
+    map_draws: int = 8
+    map_images: int = 8
+    map_margin: float = 0.05
+    map_simultaneous: bool = False
+    map_out: str | None = None
     sources: tuple[str, ...] = field(default=(), compare=False)
 
     def with_routes(self, routes: Sequence[RouteRule]) -> DownscaleConfig:
@@ -139,6 +160,19 @@ _TOP_KEYS: dict[str, tuple[str, Any]] = {
     "arch": ("enum", ARCH_NAMES),
     "inner": ("str", None),
     "downscale_config": ("str", None),
+    "direction_loss_weight": ("float_min", 0.0),
+    "direction_loss_only_routed": ("bool", None),
+    "sigma_policy": ("enum", SIGMA_POLICIES),
+    "positions": ("enum", POSITIONS),
+    "mode": ("enum", MODES),
+    "after_map": ("enum", AFTER_MAP),
+    "map_ratios": ("ratios", None),
+    "map_bins": ("bins", None),
+    "map_draws": ("int", (2, 4096)),
+    "map_images": ("int", (2, None)),
+    "map_margin": ("float", (0.0, 1.0)),
+    "map_simultaneous": ("bool", None),
+    "map_out": ("str", None),
 }
 
 
@@ -160,8 +194,10 @@ def _from_string(kind: str, text: str) -> Any:
         raise ValueError(f"{text!r} is not a boolean (allowed: true, false)")
     if kind == "int":
         return int(text.strip())
-    if kind == "float":
+    if kind in ("float", "float_min"):
         return float(text.strip())
+    if kind == "ratios":
+        return [float(x) for x in text.split(",") if x.strip()]
     return text.strip()
 
 
@@ -199,6 +235,29 @@ def _check_scalar(key: str, kind: str, allowed: Any, value: Any, problems: list[
             problems.append(f"{key}: {value} is out of range (allowed: strictly between {lo} and {hi})")
             return None
         return float(value)
+    if kind == "float_min":
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < allowed:
+            problems.append(f"{key}: {value!r} must be a finite number >= {allowed:g}")
+            return None
+        return float(value)
+    if kind == "ratios":
+        if not isinstance(value, (list, tuple)) or not value or not all(_number(r) and 0.0 < r < 1.0 for r in value):
+            problems.append(f"{key}: {value!r} must be a non-empty list of linear ratios strictly between 0 and 1, e.g. [0.75, 0.5]")
+            return None
+        if len(set(value)) != len(value):
+            problems.append(f"{key}: {list(value)} has duplicates")
+            return None
+        return tuple(float(r) for r in value)
+    if kind == "bins":
+        if not isinstance(value, str):
+            problems.append(f"{key}: {value!r} must be a string, e.g. {DEFAULT_BINS!r}")
+            return None
+        try:
+            parse_bins(value)
+        except ValueError as err:
+            problems.append(f"{key}: {str(err).removeprefix('bins: ')}")
+            return None
+        return value
     raise AssertionError(kind)
 
 
@@ -415,6 +474,30 @@ def read_plugin_toml(path: str) -> dict[str, Any]:
         raise ConfigError([f"downscale_config: {path} is not valid TOML: {err}"]) from None
 
 
+def _map_problems(merged: Mapping[str, Any], has_routes: bool, rejected: set[str]) -> list[str]:
+    """Keys that only make sense together with ``mode = "map"`` (or not at all with it); ``rejected``
+    keys are already reported."""
+    problems = []
+    if merged.get("map_draws", 0) % 2:
+        problems.append(f"map_draws: {merged['map_draws']} must be even (the self-floor splits the D draws into two equal halves)")
+    if merged.get("mode") != "map":
+        return problems
+    if not merged.get("map_out") and "map_out" not in rejected:
+        problems.append('map_out: required when mode = "map" (the directory the map writes windows.toml, map.csv, map.json, map.png into)')
+    if has_routes:
+        problems.append(
+            'routes: not used when mode = "map": the map derives the windows (after_map = "train" trains with them); '
+            'remove routes or set mode = "train"'
+        )
+    for key, plain in (("sigma_policy", "keep"), ("positions", "plain")):
+        if merged.get(key, plain) != plain:
+            problems.append(
+                f'{key}: {merged[key]!r} is not allowed with mode = "map" (allowed: {plain!r}): the in-run map measures the '
+                "router's plain routes; compare σ policies and positions with the lab map"
+            )
+    return problems
+
+
 def load_config(
     network_args: Mapping[str, str] | None = None,
     table: Mapping[str, Any] | None = None,
@@ -459,15 +542,19 @@ def load_config(
             rules.append(rule)
     if len(rules) == len(raw_routes):
         _check_routes(rules, problems)
-    # A routes value that was itself rejected is already reported; "no routes" would mislead.
-    routes_rejected = any(
-        "routes" in (raw or {}) and "routes" not in src
-        for raw, src in ((network_args, args_src), (table, table_src), (plugin_toml, file_src))
-    )
-    if merged.get("enable", True) and not raw_routes and not routes_rejected:
+    # A value that was itself rejected is already reported; "no routes" or "map_out required" would mislead.
+    rejected = {
+        key for raw, src in ((network_args, args_src), (table, table_src), (plugin_toml, file_src)) for key in raw or {} if key not in src
+    }
+    routes_rejected = "routes" in rejected or "mode" in rejected
+    # Without routes the plugin can still add the direction loss (FasterDiT's term on its own); a map derives them.
+    mapping = merged.get("mode") == "map"
+    if merged.get("enable", True) and not raw_routes and not routes_rejected and not merged.get("direction_loss_weight") and not mapping:
         problems.append(
-            'routes: at least one route is required while enable = true (e.g. route = "1024:768", sigma_min = 0.65, sigma_max = 0.95)'
+            'routes: at least one route is required while enable = true, mode = "train" and direction_loss_weight = 0 '
+            '(e.g. route = "1024:768", sigma_min = 0.65, sigma_max = 0.95)'
         )
+    problems += _map_problems(merged, bool(raw_routes), rejected)
     if problems:
         raise ConfigError(problems)
     return DownscaleConfig(routes=tuple(rules), sources=tuple(sources), **merged)

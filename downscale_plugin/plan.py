@@ -390,7 +390,7 @@ def format_plan(plan: Plan, sampler_text: str = "") -> str:
         lines.append(f"  (native includes {_pct(plan.fallback)} of steps falling back after exhausting redraws)")
     lines.append("")
     lines.append("per bucket (pixels W x H, latent h x w, image tokens; per route: target latent and probability):")
-    width = max(20, *(len(s) + 2 for s in labels))
+    width = max([20, *(len(s) + 2 for s in labels)])  # no routes (direction loss alone): the header width
     header = f"  {'bucket':<11}{'latent':<10}{'tokens':>7}  " + "".join(f"{s:<{width}}" for s in labels)
     lines.append(header + f"{'native':>8}{'tokens saved':>14}{'FLOPs saved':>13}")
     for row in plan.buckets:

@@ -1,6 +1,7 @@
 """Run a real sd-scripts LoRA training script end to end with ``--network_module downscale_plugin``, offline.
 
-    python tests/sd_scripts_e2e.py {flux,sd3,anima} WORK_DIR      (cwd: the sd-scripts checkout on sys.path)
+    python tests/sd_scripts_e2e.py {flux,sd3,anima} WORK_DIR [train|map-stop|map-train]
+    (cwd: the sd-scripts checkout on sys.path)
 
 The script runs exactly as ``python flux_train_network.py --config_file train.toml`` does (``runpy``,
 so the trainer class lives in ``__main__``: the duplicate-class trap the plugin must survive), over a
@@ -16,7 +17,9 @@ real loader reads a tiny checkpoint written here. Tokenizers are built locally (
 ``--tokenizer_cache_dir`` is read before the hub) or ship with the checkout (Anima).
 
 After training it checks the saved LoRA: the inner module loads it, and its metadata carries the
-``ss_downscale_*`` keys. Prints ``E2E OK`` on success.
+``ss_downscale_*`` keys. ``map-stop`` / ``map-train`` run the plugin with ``mode = "map"`` instead of
+routes: the map's files must be written, ``stop`` must end the script with exit 0 and no weights,
+``train`` must save a LoRA routed by the derived windows. Prints ``E2E OK`` on success.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import toml
 import torch
 from PIL import Image
 from safetensors import safe_open
@@ -48,6 +52,19 @@ sigma_max = 0.9
 [[plugins.downscale.routes]]
 route = "128:64"                  # ... and at 0.5 (8x8) for the rest of σ > 0.3
 sigma_min = 0.3
+"""
+
+
+MAP = """
+[plugins.downscale]
+mode = "map"
+after_map = "{after}"
+map_out = "{out}"
+map_ratios = [0.5]                # 16x16 latents: the 8x8 route
+map_bins = "0,0.5,1"              # two bins and σ = 1
+map_draws = 4
+map_images = 2                    # the run's first two samples (batch size 1: the map runs before batch 2)
+map_margin = 0.99                 # a loose margin, so that a window is found and after_map = "train" routes
 """
 
 
@@ -293,18 +310,43 @@ def tracked_scalars(logs: Path) -> dict[str, list[float]]:
     return found
 
 
-def main(arch: str, work: Path) -> None:
+def check_map(work: Path) -> dict:
+    """The map's files are there and its windows TOML is a plugin config; returns that TOML."""
+    from downscale_plugin.config import load_config
+
+    written = sorted(p.name for p in (work / "map").iterdir())
+    assert written == ["map.csv", "map.json", "map.png", "windows.toml"], written
+    windows = toml.load(work / "map" / "windows.toml")
+    print("windows:", windows, "->", load_config(plugin_toml=windows).routes)
+    return windows
+
+
+def main(arch: str, work: Path, mode: str = "train") -> None:
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     script, config, inner, models = SETUPS[arch](work, write_images(work))
+    if mode != "train":
+        config.write_text(config.read_text().replace(ROUTES, MAP.format(after=mode.removeprefix("map-"), out=work / "map")))
     sys.argv = [script, "--config_file", str(config)]
-    runpy.run_path(script, run_name="__main__")  # the script's own __main__ block
+    try:
+        runpy.run_path(script, run_name="__main__")  # the script's own __main__ block
+    except SystemExit as stop:
+        assert mode == "map-stop" and stop.code in (0, None), f"{mode}: the script exited with {stop.code}"
+        check_map(work)
+        assert not (work / "out" / "lora.safetensors").exists(), "after_map = stop saved weights"
+        print("E2E OK")
+        return
+    assert mode != "map-stop", 'after_map = "stop": the script trained to the end'
 
     lora = work / "out" / "lora.safetensors"
     with safe_open(str(lora), "pt") as f:
         meta = f.metadata()
     print("metadata:", {k: v for k, v in meta.items() if k.startswith("ss_downscale")})
     counts = json.loads(meta["ss_downscale_counts"])
+    if mode == "map-train":
+        windows = check_map(work)
+        assert json.loads(meta["ss_downscale_routes"]) == windows["routes"], meta
+        assert json.loads(meta["ss_downscale_map"])["before_train_batch"] == 2, meta
     assert meta["ss_network_module"] == "downscale_plugin" and meta["ss_downscale_inner"] == inner, meta
     assert counts["forwards"] == STEPS and counts["routes"]["native"] < 1.0, counts
     scalars = tracked_scalars(work / "logs")
@@ -322,4 +364,4 @@ def main(arch: str, work: Path) -> None:
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    main(sys.argv[1], Path(sys.argv[2]))
+    main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])

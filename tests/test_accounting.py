@@ -166,3 +166,39 @@ def test_record_from_a_router_decision():
     assert rec.sigmas == pytest.approx([0.7, 0.8])
     native = StepRecord.from_decision(6, RouteDecision(-1, None, torch.tensor([0.1]), None, fallback="exhausted"), (128, 128), "flux")
     assert (native.rule_index, native.route, native.tokens_run, native.fallback) == (-1, "native", 4096, "exhausted")
+
+
+def test_drawn_and_run_sigma_of_routed_samples_are_kept_apart_and_summed_over_ranks():
+    m = FlopModel(hidden=64, depth=2)
+    d = RouteDecision(0, RULES[0], torch.tensor([0.7, 0.8], dtype=torch.float64), (96, 96))
+    native = RouteDecision(-1, None, torch.tensor([0.2, 0.3], dtype=torch.float64), None)
+    recs = [
+        StepRecord.from_decision(1, d, (128, 128), "flux", run_sigmas=torch.tensor([0.6, 0.7], dtype=torch.float64)),
+        StepRecord.from_decision(2, d, (128, 128), "flux", run_sigmas=d.sigmas),  # keep: the decision's own σ
+        StepRecord.from_decision(3, native, (128, 128), "flux", run_sigmas=native.sigmas),
+    ]
+    assert recs[0].sigmas_run == pytest.approx([0.6, 0.7]) and recs[0].sigmas == pytest.approx([0.7, 0.8])
+    assert recs[1].run_sigmas is None and recs[1].sigmas_run == recs[1].sigmas
+
+    def filled(records):
+        acc = Accounting(RULES, m, sigma_policy="res_shift", token_values=[2304, 4096])
+        for rec in records:
+            acc.record(rec)
+        return acc
+
+    one = filled(recs)
+    assert (one.sigma_drawn, one.sigma_run) == pytest.approx((3.0, 2.8))  # routed samples only
+    assert one.scalars()["downscale/sigma_drawn_routed_mean"] == pytest.approx(0.75)
+    assert one.scalars()["downscale/sigma_run_routed_mean"] == pytest.approx(0.7)
+    assert "σ policy res_shift: routed samples drawn at mean σ 0.7500, run at 0.7000" in one.summary_text()
+    ranks = [filled(recs[:1]), filled(recs[1:])]
+    vectors = [torch.tensor(r._vector(), dtype=torch.float64) for r in ranks]
+    reduced = ranks[0].reduced(lambda t: sum(vectors))
+    _assert_same(reduced, one)
+    assert reduced.summary_text() == one.summary_text()
+    ranks[0].merge(ranks[1].state())
+    _assert_same(ranks[0], one)
+    keep = Accounting(RULES, m)
+    keep.record(recs[1])
+    assert "σ policy keep: routed samples drawn at mean σ 0.7500, run at 0.7500" in keep.summary_text()
+    assert "downscale/sigma_run_routed_mean" not in keep.scalars()

@@ -72,6 +72,13 @@ def test_check_a_plugin_toml(tmp_path, capsys):
     assert "gate strict" in out and "arch flux" in out and "1024:896" in out
 
 
+def test_check_a_map_config(tmp_path, capsys):
+    text = 'network_args = ["ds_map_draws=4"]\n[plugins.downscale]\nmode = "map"\nmap_out = "m"\nmap_ratios = [0.75]\n'
+    code, out, err = _run(capsys, "check", "--config_file", _write(tmp_path, "t.toml", text))
+    assert code == 0, err
+    assert "mode map: map_out m, after_map stop, ratios 0.75," in out and "draws 4, images 8" in out and "r0 " not in out
+
+
 def test_check_lists_every_problem_without_a_traceback(tmp_path, capsys):
     bad = """
         network_args = ["ds_gate=strictly"]
@@ -216,3 +223,10 @@ def test_command_whose_extra_is_missing_says_what_to_install(monkeypatch, capsys
     assert cli.main(["ghost"]) == 2
     err = capsys.readouterr().err
     assert "ghost: needs the package 'downscale_plugin.no_such_module'" in err and "pip install 'downscale-plugin[lab]'" in err
+
+
+def test_check_shows_the_fasterdit_options(tmp_path, capsys):
+    text = 'direction_loss_weight = 0.1\nsigma_policy = "snr_match"\n'  # the direction loss alone needs no routes
+    code, out, err = _run(capsys, "check", "--config", _write(tmp_path, "plugin.toml", text))
+    assert code == 0, err
+    assert "direction_loss_weight 0.1, direction_loss_only_routed false, sigma_policy snr_match, positions plain" in out

@@ -150,6 +150,65 @@ BAD = {
     "max_tries-zero": (with_routes(ROUTE, max_tries=0), ["[plugins.downscale] max_tries", "out of range"]),
     "max_tries-too-many": (with_routes(ROUTE, max_tries=65), ["[plugins.downscale] max_tries", "out of range"]),
     "seed-negative": (with_routes(ROUTE, seed=-1), ["[plugins.downscale] seed", "out of range"]),
+    # FasterDiT keys
+    "direction_loss_weight-negative": (
+        with_routes(ROUTE, direction_loss_weight=-0.1),
+        ["[plugins.downscale] direction_loss_weight", "finite number >= 0"],
+    ),
+    "direction_loss_weight-bool": (with_routes(ROUTE, direction_loss_weight=True), ["direction_loss_weight", "finite number >= 0"]),
+    "direction_loss_weight-string-in-toml": (
+        plugin_toml('direction_loss_weight = "0.1"\nroutes = [{route = "1024:768", sigma_min = 0.6}]'),
+        ["[downscale_config] direction_loss_weight", "finite number >= 0"],
+    ),
+    "direction_loss_weight-nan-in-network_args": (
+        ds_args(direction_loss_weight="nan", routes="1024:768@0.6-"),
+        ["[network_args] direction_loss_weight", "finite number >= 0"],
+    ),
+    "direction_loss_weight-not-number-in-network_args": (
+        ds_args(direction_loss_weight="strong", routes="1024:768@0.6-"),
+        ["[network_args] direction_loss_weight"],
+    ),
+    "direction_loss_only_routed-yes": (
+        ds_args(direction_loss_only_routed="yes", routes="1024:768@0.6-"),
+        ["[network_args] direction_loss_only_routed", "not a boolean"],
+    ),
+    "direction_loss_only_routed-string-in-table": (
+        with_routes(ROUTE, direction_loss_only_routed="true"),
+        ["[plugins.downscale] direction_loss_only_routed", "must be a boolean"],
+    ),
+    "bad-sigma_policy": (
+        with_routes(ROUTE, sigma_policy="snr-match"),
+        ["[plugins.downscale] sigma_policy", "keep, res_shift, snr_match", "did you mean 'snr_match'"],
+    ),
+    "bad-positions-network_args": (
+        ds_args(positions="interp", routes="1024:768@0.6-"),
+        ["[network_args] positions", "plain, interpolate"],
+    ),
+    "unknown-fasterdit-network-arg": (
+        ds_args(sigma_polcy="keep", routes="1024:768@0.6-"),
+        ["ds_sigma_polcy", "did you mean 'ds_sigma_policy'"],
+    ),
+    "zero-weight-without-routes": ({"table": {"direction_loss_weight": 0.0}}, ["routes: at least one route is required"]),
+    # mode = "map"
+    "map-without-map_out": ({"table": {"mode": "map"}}, ['map_out: required when mode = "map"']),
+    "map-with-routes": (with_routes(ROUTE, mode="map", map_out="m"), ['routes: not used when mode = "map"', "remove routes"]),
+    "map-with-sigma_policy": ({"table": {"mode": "map", "map_out": "m", "sigma_policy": "res_shift"}}, ["sigma_policy", 'mode = "map"']),
+    "bad-mode": ({"table": {"mode": "measure", "map_out": "m"}}, ["[plugins.downscale] mode", "train, map"]),
+    "bad-after_map": (ds_args(mode="map", map_out="m", after_map="continue"), ["[network_args] after_map", "stop, train"]),
+    "map_ratios-one": ({"table": {"mode": "map", "map_out": "m", "map_ratios": [0.75, 1.0]}}, ["map_ratios", "strictly between 0 and 1"]),
+    "map_ratios-empty": ({"table": {"mode": "map", "map_out": "m", "map_ratios": []}}, ["map_ratios", "non-empty list"]),
+    "map_ratios-duplicate-network_args": (
+        ds_args(mode="map", map_out="m", map_ratios="0.5,0.5"),
+        ["[network_args] map_ratios", "duplicates"],
+    ),
+    "map_ratios-not-number-network_args": (ds_args(mode="map", map_out="m", map_ratios="0.5,half"), ["[network_args] map_ratios"]),
+    "map_draws-one": ({"table": {"mode": "map", "map_out": "m", "map_draws": 1}}, ["map_draws", "out of range (allowed: 2 to 4096)"]),
+    "map_draws-odd": (ds_args(mode="map", map_out="m", map_draws="5"), ["map_draws: 5 must be even"]),
+    "map_images-one": ({"table": {"mode": "map", "map_out": "m", "map_images": 1}}, ["map_images", "out of range"]),
+    "map_margin-zero": ({"table": {"mode": "map", "map_out": "m", "map_margin": 0.0}}, ["map_margin", "strictly between 0.0 and 1.0"]),
+    "map_bins-not-covering": ({"table": {"mode": "map", "map_out": "m", "map_bins": "0,0.5,3"}}, ["map_bins", "cover (0, 1]"]),
+    "map_bins-not-string": ({"table": {"mode": "map", "map_out": "m", "map_bins": [0, 0.5, 1]}}, ["map_bins", "must be a string"]),
+    "map_out-empty": ({"table": {"mode": "map", "map_out": ""}}, ["map_out", "non-empty string"]),
     # plugin TOML
     "plugin-toml-names-another": (
         plugin_toml('downscale_config = "other.toml"\nroutes = [{route = "1024:768", sigma_min = 0.6}]'),
@@ -288,6 +347,53 @@ def test_defaults_when_only_routes_given():
     cfg = load_config(table={"routes": [A]})
     assert cfg == DownscaleConfig(routes=(RouteRule(0.6, None, native=1024, target=768),))
     assert (cfg.enable, cfg.gate, cfg.max_tries, cfg.seed, cfg.arch) == (True, "coupled", 8, None, None)
+
+
+def test_fasterdit_defaults_are_off():
+    cfg = load_config(table={"routes": [A]})
+    assert (cfg.direction_loss_weight, cfg.direction_loss_only_routed, cfg.sigma_policy, cfg.positions) == (0.0, False, "keep", "plain")
+
+
+def test_fasterdit_keys_from_network_args_strings_win_over_the_table():
+    plugin, inner = split_network_args(
+        {
+            "ds_direction_loss_weight": "0.25",
+            "ds_direction_loss_only_routed": "true",
+            "ds_sigma_policy": "snr_match",
+            "ds_positions": "interpolate",
+            "ds_routes": "x0.5@0.6-",
+            "conv_dim": "4",
+        }
+    )
+    table = {"direction_loss_weight": 1, "sigma_policy": "res_shift", "positions": "plain", "routes": [A]}
+    cfg = load_config(plugin, table)
+    assert inner == {"conv_dim": "4"}
+    expected = (0.25, True, "snr_match", "interpolate")
+    assert (cfg.direction_loss_weight, cfg.direction_loss_only_routed, cfg.sigma_policy, cfg.positions) == expected
+    weight = load_config(table=table).direction_loss_weight
+    assert weight == 1.0 and type(weight) is float
+
+
+def test_direction_loss_alone_needs_no_routes():
+    cfg = load_config(network_args={"direction_loss_weight": "0.1"})
+    assert cfg.enable and cfg.routes == () and cfg.direction_loss_weight == 0.1
+
+
+def test_map_mode_needs_no_routes_and_takes_its_keys_from_every_source():
+    plugin, _ = split_network_args({"ds_mode": "map", "ds_map_ratios": "0.75, 0.5", "ds_map_draws": "4", "ds_after_map": "train"})
+    table = {"map_out": "m", "map_draws": 16, "map_images": 3, "map_simultaneous": True}
+    cfg = load_config(plugin, table, plugin_toml={"map_margin": 0.1, "map_bins": "0,0.5,1", "map_images": 99})
+    assert cfg.routes == () and (cfg.mode, cfg.after_map, cfg.map_out) == ("map", "train", "m")
+    assert cfg.map_ratios == (0.75, 0.5) and cfg.map_draws == 4 and cfg.map_images == 3  # network_args > table > plugin TOML
+    assert (cfg.map_margin, cfg.map_bins, cfg.map_simultaneous) == (0.1, "0,0.5,1", True)
+    defaults = load_config(table={"routes": [A]})
+    assert (defaults.mode, defaults.after_map, defaults.map_ratios, defaults.map_draws, defaults.map_out) == (
+        "train",
+        "stop",
+        (0.875, 0.75, 0.5),
+        8,
+        None,
+    )
 
 
 def test_disabled_needs_no_routes():

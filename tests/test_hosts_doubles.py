@@ -10,6 +10,7 @@ patch, and a two-process gloo run whose ranks route identically every step.
 from __future__ import annotations
 
 import importlib
+import json
 import os
 import socket
 
@@ -19,8 +20,10 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from host_modules import ARCHS, host_modules, run_double, trainer_class
 
+from downscale_plugin.fasterdit.policies import shift_sigma
 from downscale_plugin.hosts import sd_scripts, sd_scripts_run
-from downscale_plugin.sigma import ddpm_alphas_cumprod, ddpm_t_to_sigma
+from downscale_plugin.hosts.sd_scripts import HostError
+from downscale_plugin.sigma import ddpm_alphas_cumprod, ddpm_t_to_sigma, sigma_to_ddpm_t
 
 ALL_ROUTED = {"routes": [{"scale": 0.5, "sigma_min": 0.0}]}  # every σ > 0: every step runs at half size
 NARROW = {"routes": [{"scale": 0.5, "sigma_min": 0.5, "sigma_max": 0.8}]}  # some steps native, some routed
@@ -249,11 +252,69 @@ def test_explicit_call_points_of_the_patched_host_are_used_instead_of_wrapping()
                 self.step_logs_hook(logs, args[1])
             return logs
 
-    trainer = run_double("flux", "--resolution", RES, "--max_train_steps", "2", downscale=ALL_ROUTED, trainer=PatchedFlux())
+    downscale = {**ALL_ROUTED, "direction_loss_weight": 0.5}
+    trainer = run_double("flux", "--resolution", RES, "--max_train_steps", "2", downscale=downscale, trainer=PatchedFlux())
     assert "get_noise_pred_and_target" not in vars(trainer) and "generate_step_logs" not in vars(trainer)
+    assert "process_batch" in vars(trainer)  # the patch has no call point around the loss: the direction loss wraps it
     assert [c["shape"] for c in trainer.last_run.unet.calls] == [small_input("flux", 1)] * 2
     records = trainer.last_run.accelerator.trackers[0].records
     assert records[-1][1]["downscale/steps"] == 2.0
+
+
+# -- FasterDiT options ------------------------------------------------------------------------
+
+FASTERDIT = ("ds_sigma_policy=res_shift", "ds_positions=interpolate")
+
+
+def test_fasterdit_keys_reach_the_flux_step_through_network_args(decisions):
+    argv = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "2", "--seed", "3")
+    trainer = run_double("flux", *argv, "--network_args", "ds_direction_loss_weight=0.5", *FASTERDIT, downscale=ALL_ROUTED)
+    run, state = trainer.last_run, trainer.last_run.network.downscale_run
+    assert (state.cfg.direction_loss_weight, state.cfg.sigma_policy, state.cfg.positions) == (0.5, "res_shift", "interpolate")
+    assert "process_batch" in vars(trainer)
+    assert len(decisions) == len(run.unet.calls) == 2
+    for decision, call in zip(decisions, run.unet.calls, strict=True):  # 16 of 64 tokens: k = √(16/64)
+        torch.testing.assert_close(call["t"].double(), shift_sigma(decision.sigmas.double(), 0.5), atol=1e-6, rtol=0)
+        assert sorted(set(call["img_ids"][..., 1].flatten().tolist())) == [0.0, 2.0, 4.0, 6.0]  # 4 rows at the native pitch
+    assert state.accounting.sigma_run < state.accounting.sigma_drawn
+    meta = json.loads(state.metadata()["ss_downscale_fasterdit"])
+    assert meta == {
+        "direction_loss_weight": 0.5,
+        "direction_loss_only_routed": False,
+        "sigma_policy": "res_shift",
+        "positions": "interpolate",
+    }
+    without = run_double("flux", *argv, "--network_args", *FASTERDIT, downscale=ALL_ROUTED)
+    assert "process_batch" not in vars(without)
+    assert run.losses[0] > without.last_run.losses[0]  # step 1: same σ, noise and weights, plus λ·mean(1 − cos)
+
+
+@pytest.mark.parametrize("arch", ["sd3", "lumina", "anima", "hunyuan_image", "sdxl"])
+def test_res_shift_sigma_reaches_the_model_in_every_sampler_family(arch, decisions):
+    argv = ("--resolution", RES, "--max_train_steps", "3", "--seed", "3", "--network_args", "ds_sigma_policy=res_shift")
+    run = run_double(arch, *argv, downscale=ALL_ROUTED).last_run
+    alphas = ddpm_alphas_cumprod()
+    for decision, call in zip(decisions, run.unet.calls, strict=True):
+        expected = shift_sigma(decision.sigmas.double(), 0.5)  # half the side: a quarter of the tokens on every arch
+        if arch == "sdxl":  # integer DDPM timesteps: the nearest one
+            expected = ddpm_t_to_sigma(sigma_to_ddpm_t(expected, alphas), alphas).double()
+        atol = 1e-3 if arch == "hunyuan_image" else 1e-6  # HunyuanImage feeds integer t/1000
+        torch.testing.assert_close(model_sigma(arch, call["t"]), expected, atol=atol, rtol=0)
+        assert (expected < decision.sigmas.double()).all()
+
+
+def test_direction_loss_alone_needs_no_routes_and_leaves_sigma_alone():
+    argv = ("--resolution", RES, "--max_train_steps", "3", "--seed", "5")
+    plain = run_double("flux", *argv, network_module=ARCHS["flux"][2]).last_run
+    run = run_double("flux", *argv, downscale={"direction_loss_weight": 0.5}).last_run
+    assert run.losses[0] > plain.losses[0]
+    assert all(torch.equal(a["t"], b["t"]) and a["shape"] == b["shape"] for a, b in zip(run.unet.calls, plain.unet.calls, strict=True))
+    assert run.network.downscale_run.accounting.demote_fraction() == 0.0
+
+
+def test_positions_interpolate_is_refused_where_there_are_no_position_ids():
+    with pytest.raises(HostError, match="positions: 'interpolate' is not available for sd3"):
+        run_double("sd3", "--resolution", RES, "--network_args", "ds_positions=interpolate", downscale=ALL_ROUTED)
 
 
 # -- two processes, gloo ------------------------------------------------------------------------

@@ -333,3 +333,27 @@ def test_sampler_bitwise_equal_to_host(mode: str) -> None:
             torch.manual_seed(11)
             outs.append((*fn(args, sched, latents, noise, "cpu", torch.float32), torch.randn(2)))  # + RNG state after
         assert all(torch.equal(a, b) for a, b in zip(*outs, strict=True))
+
+
+@pytest.mark.parametrize("arch, routes_the_square_bucket", [(None, False), ("flux", True)])
+def test_lab_plugin_reads_tiers_at_the_configs_arch(tiny_model, tiny_data: LabData, arch, routes_the_square_bucket) -> None:
+    """The map tool's lab windows say arch = "flux" (tiers at 8 px per latent cell): they must fire in lab training."""
+    from downscale_plugin.config import load_config
+    from downscale_plugin.hosts.lab import LabPlugin
+
+    # The 64x64 px bucket is a 16x16 latent: the 128 px tier at Flux's VAE factor, 64 px in lab pixels.
+    table = {"routes": [{"route": "128:96", "sigma_min": 0.0}], **({"arch": arch} if arch else {})}
+    plugin = LabPlugin.for_lab(load_config(table=table), TINY, tiny_data)
+    steps, seed = 6, 3
+    train_lora(tiny_model, tiny_data, steps=steps, lr=1e-2, rank=2, seed=seed, hook_installer=plugin.installer)
+    square = sum(tiny_data.batch(step, 1, seed)["bucket"] == (64, 64) for step in range(steps))
+    assert 0 < square < steps
+    assert plugin.accounting.demote_fraction() == pytest.approx(square / steps if routes_the_square_bucket else 0.0)
+
+
+def test_lab_plugin_rejects_an_arch_that_packs_unlike_the_lab(tiny_data: LabData) -> None:
+    from downscale_plugin.config import load_config
+    from downscale_plugin.hosts.lab import LabPlugin
+
+    with pytest.raises(ValueError, match="arch: 'sdxl'.*allowed: flux"):
+        LabPlugin.for_lab(load_config(table={"arch": "sdxl", "routes": [{"route": "128:96", "sigma_min": 0.0}]}), TINY, tiny_data)

@@ -29,6 +29,7 @@ import torch
 from host_modules import host_modules
 
 import downscale_plugin
+from downscale_plugin.fasterdit.policies import shift_sigma
 from downscale_plugin.hosts import sd_scripts, sd_scripts_run
 from downscale_plugin.sigma import ddpm_t_to_sigma
 
@@ -283,6 +284,36 @@ def test_sampler_slot_is_restored_after_a_host_exception(arch):
     assert getattr(module, name) is original
 
 
+def test_fasterdit_options_on_the_real_flux_trainer(monkeypatch):
+    """λ > 0, ``res_shift`` and ``interpolate`` together on a routed step of the real Flux trainer."""
+    from library import flux_utils, train_util
+
+    seen = []
+    host_loss, host_ids = train_util.conditional_loss, flux_utils.prepare_img_ids
+    recorder = lambda pred, target, *a, **k: seen.append((pred.detach(), target.detach())) or host_loss(pred, target, *a, **k)  # noqa: E731
+    monkeypatch.setattr(train_util, "conditional_loss", recorder)
+    options = {**ALL_ROUTED, "sigma_policy": "res_shift", "positions": "interpolate"}
+    setup, without = Setup("flux", {**options, "direction_loss_weight": 0.5}), Setup("flux", options)
+    losses = []
+    for s in (setup, without):
+        torch.manual_seed(3)
+        losses.append(s.step(batch_for("flux", 1, 0)).detach())
+    routed_shape, routed_sigma = setup.model_input(0)[0], setup.sigma(0)
+    ids = setup.calls[0][1]["img_ids"]
+    torch.manual_seed(3)
+    setup.step(batch_for("flux", 1, 0), trainer=setup.plain)  # the class's own method: the σ the host draws natively
+    assert tuple(routed_shape) == small_shape("flux", 1)
+    torch.testing.assert_close(routed_sigma, shift_sigma(setup.sigma(), 0.5), atol=1e-6, rtol=0)  # 16 of 64 tokens
+    assert sorted(set(ids[0, :, 1].tolist())) == [0.0, 2.0, 4.0, 6.0] and sorted(set(ids[0, :, 2].tolist())) == [0.0, 2.0, 4.0, 6.0]
+    assert flux_utils.prepare_img_ids is host_ids and train_util.conditional_loss is recorder  # every scope restored
+    pred, target = seen[0]
+    term = (1 - torch.nn.functional.cosine_similarity(pred, target, dim=1)).mean()
+    torch.testing.assert_close(losses[0] - losses[1], 0.5 * term, rtol=1e-4, atol=1e-6)
+    accounting = setup.network.downscale_run.accounting
+    assert accounting.sigma_run == pytest.approx(float(routed_sigma), abs=1e-6)
+    assert accounting.sigma_drawn == pytest.approx(float(setup.sigma()), abs=1e-6)
+
+
 def test_patched_host_uses_the_explicit_call_points(tmp_path):
     patched = tmp_path / "patched"
     patched.mkdir()
@@ -317,14 +348,35 @@ def test_example_configs_reach_the_plugin_through_the_hosts_own_toml_reader(name
     assert [r.label for r in sd_scripts.plugin_config({}, args).routes] == routes
 
 
-@pytest.mark.parametrize("arch", ["flux", "sd3", "anima"])
-def test_real_training_script_end_to_end(arch, tmp_path):
-    """``tests/sd_scripts_e2e.py`` runs the real script's ``__main__`` path with ``--network_module downscale_plugin``."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)])}
+def end_to_end(arch: str, work: Path, mode: str = "train") -> str:
+    """Run ``tests/sd_scripts_e2e.py`` (the real script's ``__main__`` path); its log, whitespace collapsed
+    (the host logs through rich, which pads lines)."""
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)]), "COLUMNS": "1000"}  # unwrapped log lines
     proc = subprocess.run(
-        [sys.executable, str(HERE / "sd_scripts_e2e.py"), arch, str(tmp_path)], cwd=SD_SCRIPTS_DIR, env=env, capture_output=True, text=True
+        [sys.executable, str(HERE / "sd_scripts_e2e.py"), arch, str(work), mode],
+        cwd=SD_SCRIPTS_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
     )
     log = proc.stdout + proc.stderr
     assert proc.returncode == 0, log[-4000:]
-    assert "downscale_plugin" in log and "train forwards" in log and "routed" in log
     assert "E2E OK" in log, log[-4000:]
+    return " ".join(log.split())
+
+
+@pytest.mark.parametrize("arch", ["flux", "sd3", "anima"])
+def test_real_training_script_end_to_end(arch, tmp_path):
+    """``--network_module downscale_plugin`` with routes, in the real script."""
+    log = end_to_end(arch, tmp_path)
+    assert "downscale_plugin" in log and "train forwards" in log and "routed" in log
+
+
+@pytest.mark.parametrize("after_map", ["stop", "train"])
+def test_map_mode_in_the_real_flux_training_script(after_map, tmp_path):
+    """``mode = "map"`` on the tiny Flux run's own model, LoRA and images: the map's files, then the
+    script ends (exit 0, no weights) or trains with the derived windows (the e2e script checks both)."""
+    log = end_to_end("flux", tmp_path, f"map-{after_map}")
+    assert "gradient map before train batch 2" in log and (tmp_path / "map" / "windows.toml").is_file()
+    done = "ending the run before training batch 2 (no weights saved)" if after_map == "stop" else "training continues from batch 2"
+    assert done in log

@@ -6,11 +6,14 @@
 - ``snr`` / ``latent_stds`` / ``snr_report`` / ``cli``: the extended log-SNR PDF diagnostic (``snr`` command)
 They replace host handles with ``downscale_plugin.scope.swap_attr``, the primitive the σ replay uses.
 
-Not wired yet (issue 5): config keys ``direction_loss_weight`` (float ≥ 0), ``direction_loss_only_routed``,
-``sigma_policy`` (``POLICIES``), ``positions`` (``plain`` | ``interpolate``), and in ``hosts/hook.py``:
-a ``process_batch`` instance wrap entering ``direction_loss_scope(library.train_util, λ, gate=...)``
-for train calls (the lab trainer needs a module-level ``conditional_loss`` for this); for routed steps
-``make_policy(...)(decision.sigmas)`` registered in ``sampler.drawn`` before ``sampler.replay`` (the
-gate keeps reading the drawn σ; accounting records both); ``positions_scope(arch, native_hw, run_hw,
-model=unwrap(unet), module=library.flux_utils | hunyuan_image_utils)`` around the routed call.
+Wiring (config keys ``direction_loss_weight`` ≥ 0, ``direction_loss_only_routed``, ``sigma_policy``,
+``positions``; ``hosts.hook.StepOptions`` binds them to a host's handles, built by
+``hosts.sd_scripts.step_options`` and ``hosts.lab.LabPlugin``): when λ > 0 the hook wraps the
+trainer's ``process_batch`` and runs its train calls (``is_train``) inside
+``direction_loss_scope(<module of its conditional_loss>, λ, gate=<step routed> if only routed)``
+(``library.train_util``; the lab trainer's own module); on routed steps the σ policy maps the drawn σ,
+the sampler family registers the mapped σ (flow hosts t = σ·T, DDPM the nearest integer t) and the
+replay hands them to the host, while the gate has read the drawn σ and the accounting keeps both;
+``snr_match`` uses a ``RunningStd`` of the step's own native and downsampled latents, pooled over the
+run's routed steps per grid pair (per rank); ``positions_scope`` wraps the routed host call.
 """

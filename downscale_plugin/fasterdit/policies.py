@@ -26,9 +26,8 @@ from collections.abc import Callable
 
 import torch
 
+from ..config import SIGMA_POLICIES as POLICIES
 from .stats import Moments
-
-POLICIES = ("keep", "res_shift", "snr_match")
 
 
 def shift_sigma(sigma: torch.Tensor | float, k: float) -> torch.Tensor | float:

@@ -3,9 +3,8 @@
 Convention: position interpolation (Chen et al. 2023, "PI"), id' = id · N_native / N_small per axis.
 Integer ids are top-left anchored: native token j is the cell [j, j + 1). Small token i stands
 for the native span [i·k, (i + 1)·k) with k = N_native / N_small, so i·k is the anchor of the area
-it stands for and the small cells tile [0, N_native) like the native ones. (For integer k,
-``grid.area_downsample`` averages exactly that span; for fractional k, ``F.interpolate(mode="area")``
-averages the whole native cells that overlap it, [⌊i·k⌋, ⌈(i + 1)·k⌉).) The token pitch is then k, the true spacing of
+it stands for and the small cells tile [0, N_native) like the native ones (``grid.area_downsample``
+averages exactly that span, at integer and fractional k alike). The token pitch is then k, the true spacing of
 the averaged areas: RoPE attention depends on position differences, which are now the native
 ones. The endpoint convention id·(N_native − 1)/(N_small − 1) would stretch every difference by
 (N_native − 1)/(N_small − 1) ≠ k. PI is also purely multiplicative, so tokens at 0 on the spatial
@@ -39,10 +38,10 @@ from typing import Any
 
 import torch
 
+from ..config import POSITIONS as POSITIONS  # re-exported: the allowed values live with the config schema
 from ..grid import ArchSpec
 from ..scope import swap_attr
 
-POSITIONS = ("plain", "interpolate")
 INTERPOLATE_ARCHS = ("flux", "chroma", "lumina", "anima", "hunyuan_image")  # archs with a position handle
 Factors = tuple[float, float]
 
@@ -142,6 +141,15 @@ def meshgrid_scope(module: Any, factors: Factors, attr: str = "get_meshgrid_nd")
     return swap_attr(module, attr, get_meshgrid_nd)
 
 
+def require_interpolate(arch: ArchSpec) -> None:
+    """Raise unless ``arch`` has a position handle ``positions = "interpolate"`` can scale."""
+    if arch.name not in INTERPOLATE_ARCHS:
+        raise ValueError(
+            f"positions: 'interpolate' is not available for {arch.name} (allowed: {', '.join(INTERPOLATE_ARCHS)}; SD3 crops a "
+            "fixed sin-cos table, the UNets have no position ids); use positions = 'plain'"
+        )
+
+
 def positions_scope(
     arch: ArchSpec, native_latent_hw: tuple[int, int], small_latent_hw: tuple[int, int], *, model: Any = None, module: Any = None
 ) -> AbstractContextManager:
@@ -151,11 +159,7 @@ def positions_scope(
     HunyuanImage ``library.hunyuan_image_utils``; ``model``: the unwrapped Lumina ``NextDiT`` or
     Anima DiT. A null context when the grids are the same.
     """
-    if arch.name not in INTERPOLATE_ARCHS:
-        raise ValueError(
-            f"positions: 'interpolate' is not available for {arch.name} (allowed: {', '.join(INTERPOLATE_ARCHS)}; SD3 crops a "
-            "fixed sin-cos table, the UNets have no position ids); use positions = 'plain'"
-        )
+    require_interpolate(arch)
     native = token_grid(native_latent_hw, arch)
     small = token_grid(small_latent_hw, arch)
     factors = pi_factors(native, small)

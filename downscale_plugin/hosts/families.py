@@ -28,7 +28,7 @@ from typing import Any
 import torch
 
 from ..scope import swap_attr
-from ..sigma import ddpm_t_to_sigma
+from ..sigma import ddpm_t_to_sigma, sigma_to_ddpm_t
 
 FLOW_CONTRACTS = ("flux", "lumina", "sd3")
 # Modes whose σ depends on the latent's h, w (the μ shift): candidates must keep the native grid.
@@ -78,25 +78,35 @@ class FlowFamily:
             return fn(args, latents, noise, device, dtype)
         return fn(args, noise_scheduler, latents, noise, device, dtype)
 
+    def remember(self, sampler: BoundSampler, noise_scheduler: Any, sigmas: torch.Tensor) -> torch.Tensor:
+        """Make σ the host did not draw (a σ policy's map) replayable: t = σ·T, as every continuous host mode pairs them
+        (sd3: T = 1000 fixed). Returns the replay keys."""
+        steps = 1000 if self.contract == "sd3" else noise_scheduler.config.num_train_timesteps
+        return _remember(sampler.drawn, sigmas.double() * steps, sigmas)
+
     def bind(self, args: Any, noise_scheduler: Any, latents: torch.Tensor, device: Any, dtype: Any) -> BoundSampler:
         drawn: dict[float, tuple[float, float]] = {}
         out_dtypes: dict[str, torch.dtype] = {}
         fn = getattr(self.module, self.fn_name)
 
-        def first() -> torch.Tensor:
-            noise = torch.randn_like(latents)
-            _, timesteps, sigmas = self._call(fn, args, noise_scheduler, latents, noise, device, dtype)
-            out_dtypes["t"], out_dtypes["s"] = timesteps.dtype, sigmas.dtype
-            return _remember(drawn, timesteps, sigmas)
-
         quiet_args = copy.copy(args)
         quiet_args.ip_noise_gamma = None  # ξ is drawn after σ; candidates need no latent-sized noise
         grid = tuple(latents.shape[-2:]) if getattr(args, "timestep_sampling", None) in GRID_DEPENDENT_MODES else (1, 1)
 
-        def draw(n: int) -> torch.Tensor:
+        def sample(n: int) -> torch.Tensor:
+            # The host's σ draw reads only the batch size, device and (μ-shift modes) the grid, so a
+            # one-channel stand-in draws the same σ without building a latent-sized noisy input.
             dummy = latents.new_zeros((n, 1, *grid))
             _, timesteps, sigmas = self._call(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
+            out_dtypes.setdefault("t", timesteps.dtype)
+            out_dtypes.setdefault("s", sigmas.dtype)
             return _remember(drawn, timesteps, sigmas)
+
+        def first() -> torch.Tensor:
+            torch.randn_like(latents)  # the host draws its noise before σ: advance the RNG the same way
+            return sample(latents.shape[0])
+
+        draw = sample
 
         def consume_draw() -> None:
             dummy = latents.new_zeros((latents.shape[0], 1, *grid))
@@ -148,6 +158,11 @@ class DDPMFamily:
             if not callable(getattr(module, symbol, None)):
                 raise AttributeError(f"{module.__name__}.{symbol} is missing: this host revision has no σ sampler hook point")
         self.module = module
+
+    def remember(self, sampler: BoundSampler, noise_scheduler: Any, sigmas: torch.Tensor) -> torch.Tensor:
+        """Make σ the host did not draw replayable: the nearest integer timestep; returns its σ as the replay keys."""
+        t = sigma_to_ddpm_t(sigmas, noise_scheduler.alphas_cumprod)
+        return _remember(sampler.drawn, t, ddpm_t_to_sigma(t, noise_scheduler.alphas_cumprod))
 
     def bind(self, args: Any, noise_scheduler: Any, latents: torch.Tensor, device: Any, dtype: Any) -> BoundSampler:
         drawn: dict[float, tuple[float, float]] = {}

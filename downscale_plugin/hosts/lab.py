@@ -2,7 +2,9 @@
 to sd-scripts, through the same hook, sampler family and accounting (no separate code path).
 
 The lab's "VAE" is a 4× pixel unshuffle, so its latent grid gets its own :class:`ArchSpec`
-(Flux packing: multiple 2, patch 2) and route tiers read in lab pixels (``"256:192"``).
+(Flux packing: multiple 2, patch 2) and route tiers read in lab pixels (``"256:192"``), unless the
+config names an ``arch``: then tiers count the lab latents at that arch's VAE factor, as the map tool
+writes them (its lab windows say ``arch = "flux"``, a 64x64 latent being the ``512`` px tier).
 """
 
 from __future__ import annotations
@@ -12,18 +14,24 @@ from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 
+import torch
+
 from ..accounting import Accounting, FlopModel, StepRecord
 from ..config import DownscaleConfig
-from ..grid import ArchSpec
-from ..lab import flux_train_utils
-from ..lab.data import FACTOR
+from ..grid import ARCHS, ArchSpec, get_arch
+from ..lab import flux_train_utils, flux_utils
+from ..lab import trainer as lab_trainer
+from ..lab.data import FACTOR, LabData
+from ..lab.model import LabModelConfig, flop_shape
 from ..plan import Plan, plan_table
 from ..router import RouteDecision, Router
 from ..sigma import SigmaSampler
 from .families import FlowFamily
-from .hook import DownscaleHook
+from .hook import DownscaleHook, StepOptions
 
 LAB_ARCH = ArchSpec("lab", multiple=2, patch=2, vae_factor=FACTOR)
+# The lab trainer keeps the Flux trainer contract: Flux packing (patch 2) and ids from flux_utils.prepare_img_ids.
+LAB_POSITIONS_ARCH = get_arch("flux")
 
 
 def lab_sampler(args: argparse.Namespace) -> SigmaSampler:
@@ -60,31 +68,49 @@ class LabPlugin:
     accounting: Accounting | None = None
     plan: Plan | None = None
     trace: list[StepTrace] = field(default_factory=list)
+    arch: ArchSpec = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.arch = LAB_ARCH if self.cfg.arch is None else get_arch(self.cfg.arch)
+        if (self.arch.multiple, self.arch.patch) != (LAB_ARCH.multiple, LAB_ARCH.patch):
+            same = [a.name for a in ARCHS.values() if (a.multiple, a.patch) == (LAB_ARCH.multiple, LAB_ARCH.patch)]
+            raise ValueError(f"arch: {self.cfg.arch!r} does not pack latents like the lab DiT (allowed: {', '.join(same)}, or no arch)")
+
+    @classmethod
+    def for_lab(cls, cfg: DownscaleConfig, model_cfg: LabModelConfig, data: LabData, batch_size: int = 1) -> LabPlugin:
+        """The plugin for a lab run over ``data``'s buckets, costed with the lab DiT's FLOP shape."""
+        return cls(cfg, FlopModel(*flop_shape(model_cfg)), [data.cfg.latent_hw(b) for b in data.cfg.buckets], batch_size)
 
     @contextmanager
     def installer(self, trainer: object, args: argparse.Namespace) -> Iterator[None]:
         total = args.max_train_steps * args.gradient_accumulation_steps
         seed = self.cfg.seed if self.cfg.seed is not None else args.seed
-        router = Router.from_config(self.cfg, LAB_ARCH, seed, total)
+        router = Router.from_config(self.cfg, self.arch, seed, total)
         self.plan = plan_table(
-            self.cfg, LAB_ARCH, lab_sampler(args), self.buckets, self.batch_size, flop_model=self.flop_model, total_forwards=total
+            self.cfg, self.arch, lab_sampler(args), self.buckets, self.batch_size, flop_model=self.flop_model, total_forwards=total
         )
         self.accounting = Accounting(
             self.cfg.routes,
             self.flop_model,
             self.plan.probs,
             predicted_flop_saving=self.plan.flop_saving,
-            token_values=Accounting.vocabulary(self.buckets, self.cfg.routes, LAB_ARCH, self.cfg.tier_tolerance),
+            token_values=Accounting.vocabulary(self.buckets, self.cfg.routes, self.arch, self.cfg.tier_tolerance),
+            sigma_policy=self.cfg.sigma_policy,
         )
-        hook = DownscaleHook(router, FlowFamily(flux_train_utils, "flux"), on_step=self._on_step, step_logs=self._step_logs)
+        options = StepOptions.from_config(self.cfg, loss_module=lab_trainer, positions_arch=LAB_POSITIONS_ARCH, positions_module=flux_utils)
+        hook = DownscaleHook(
+            router, FlowFamily(flux_train_utils, "flux"), options=options, on_step=self._on_step, step_logs=self._step_logs
+        )
         hook.install(trainer)
         try:
             yield
         finally:
             hook.uninstall(trainer)
 
-    def _on_step(self, step: int, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int]) -> None:
-        record = StepRecord.from_decision(step, decision, native_hw, LAB_ARCH)
+    def _on_step(
+        self, step: int, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int], run_sigmas: torch.Tensor
+    ) -> None:
+        record = StepRecord.from_decision(step, decision, native_hw, self.arch, run_sigmas=run_sigmas)
         self.accounting.record(record)
         self.trace.append(StepTrace(step, decision.rule_index, record.tokens_run, record.sigmas))
 

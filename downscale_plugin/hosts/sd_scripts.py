@@ -26,7 +26,9 @@ from types import ModuleType
 from typing import Any
 
 from ..config import DownscaleConfig, load_config, network_args_dict, split_network_args
+from ..grid import get_arch
 from .families import DDPMFamily, FlowFamily
+from .hook import StepOptions
 
 SUPPORTED_REVISION = "48d368fa"
 SUPPORTED = f"downscale_plugin supports sd-scripts main {SUPPORTED_REVISION} (2026-02-16)"
@@ -65,6 +67,16 @@ SAMPLER_BY_ARCH = {
     "lumina": ("library.lumina_train_util", "lumina"),
     "sdxl": ("library.train_util", "ddpm"),
     "sd1": ("library.train_util", "ddpm"),
+}
+
+# FasterDiT handles (module, attribute): the loss ``NetworkTrainer.process_batch`` calls (tn:468), and per
+# architecture the module holding the position ids ``positions = "interpolate"`` scales (Lumina and
+# Anima: the denoiser itself).
+LOSS_HANDLE = ("library.train_util", "conditional_loss")
+POSITIONS_HANDLE_BY_ARCH = {
+    "flux": ("library.flux_utils", "prepare_img_ids"),
+    "chroma": ("library.flux_utils", "prepare_img_ids"),
+    "hunyuan_image": ("library.hunyuan_image_utils", "get_meshgrid_nd"),
 }
 
 
@@ -126,6 +138,31 @@ def make_family(arch: str) -> FlowFamily | DDPMFamily:
         return DDPMFamily(module) if contract == "ddpm" else FlowFamily(module, contract)
     except (ImportError, AttributeError) as err:
         raise HostError(f"{arch}: missing hook point: {err}; {SUPPORTED}") from err
+
+
+def _handle_module(arch: str, name: str, attr: str) -> ModuleType:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        raise HostError(f"{arch}: missing hook point: {err}; {SUPPORTED}") from err
+    if not callable(getattr(module, attr, None)):
+        raise HostError(f"{arch}: missing hook point: {name}.{attr}; {SUPPORTED}")
+    return module
+
+
+def step_options(cfg: DownscaleConfig, arch: str) -> StepOptions:
+    """The run's FasterDiT options bound to this host's handles (imported only when an option needs them)."""
+    handles: dict[str, Any] = {}
+    if cfg.direction_loss_weight:
+        handles["loss_module"] = _handle_module(arch, *LOSS_HANDLE)
+    if cfg.positions == "interpolate":
+        handles["positions_arch"] = get_arch(arch)
+        if arch in POSITIONS_HANDLE_BY_ARCH:
+            handles["positions_module"] = _handle_module(arch, *POSITIONS_HANDLE_BY_ARCH[arch])
+    try:
+        return StepOptions.from_config(cfg, **handles)
+    except ValueError as err:
+        raise HostError(str(err)) from err
 
 
 # ---------------------------------------------------------------------------------------------

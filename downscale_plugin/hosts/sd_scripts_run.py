@@ -9,7 +9,9 @@ architecture, checks the hook points, builds the router and the accounting, and 
 - ``ss_downscale_*`` metadata on every ``save_weights`` of the inner network (weights untouched);
 - the start banner (main process) and the end summary at ``accelerator.end_training``, which every
   rank calls after the loop and before the last save (tn:1711), so the final cross-rank sum there is
-  a symmetric collective.
+  a symmetric collective;
+- with ``mode = "map"``, the map session (``sd_scripts_map``): routes come from the map it runs on
+  the run's first batches.
 
 Under multi-GPU the counts are summed over ranks with ``accelerator.reduce`` every train step (every
 rank runs the hook on every step; the host's step logs run on the main process only, where a
@@ -35,7 +37,17 @@ from ..plan import Plan, format_plan, plan_table
 from ..router import RouteDecision, Router
 from .families import GRID_DEPENDENT_MODES, DDPMFamily, FlowFamily
 from .hook import DownscaleHook, fork_devices
-from .sd_scripts import SAMPLER_BY_ARCH, SUPPORTED, HostError, TrainerContext, detect_arch, find_trainer, make_family, plugin_config
+from .sd_scripts import (
+    SAMPLER_BY_ARCH,
+    SUPPORTED,
+    HostError,
+    TrainerContext,
+    detect_arch,
+    find_trainer,
+    make_family,
+    plugin_config,
+    step_options,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +55,7 @@ logger = logging.getLogger(__name__)
 EXPLICIT_STEP_HOOK = "noise_pred_and_target_hook"
 EXPLICIT_LOGS_HOOK = "step_logs_hook"
 
+FASTERDIT_KEYS = ("direction_loss_weight", "direction_loss_only_routed", "sigma_policy", "positions")
 PLAN_MC_SAMPLES = 8192  # σ draws per bucket for the banner's predicted fractions (±0.6 % at p = 0.5)
 _MC_CHUNK = 256  # grid-dependent samplers allocate a latent-sized tensor per σ
 
@@ -162,13 +175,16 @@ class DownscaleRun:
         self.accounting = accounting
         self.totals = accounting  # summed over ranks; the same object on one process
         self.finished = False
+        self.extra_metadata: dict[str, str] = {}  # e.g. ss_downscale_map after an in-run map
 
     def _reduce(self, vector: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(vector.to(self.accelerator.device), reduction="sum")
 
-    def on_step(self, step: int, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int]) -> None:
+    def on_step(
+        self, step: int, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int], run_sigmas: torch.Tensor
+    ) -> None:
         """Every rank, every train step (so the collective is symmetric): record, then sum over ranks."""
-        self.accounting.record(StepRecord.from_decision(step, decision, native_hw, self.arch))
+        self.accounting.record(StepRecord.from_decision(step, decision, native_hw, self.arch, run_sigmas=run_sigmas))
         if self.world_size > 1:
             self.totals = self.accounting.reduced(self._reduce)
 
@@ -197,6 +213,9 @@ class DownscaleRun:
             "token_saving": totals.token_saving(),
             "flop_saving": totals.flop_saving(),
         }
+        routed = totals.routed_samples
+        if routed:
+            counts["routed_sigma_mean"] = {"drawn": totals.sigma_drawn / routed, "run": totals.sigma_run / routed}
         return {
             "ss_downscale_version": _version(),
             "ss_downscale_inner": self.inner,
@@ -205,6 +224,8 @@ class DownscaleRun:
             "ss_downscale_seed": str(self.seed),
             "ss_downscale_routes": json.dumps([_rule_dict(r) for r in self.cfg.routes]),
             "ss_downscale_counts": json.dumps(counts),
+            "ss_downscale_fasterdit": json.dumps({key: getattr(self.cfg, key) for key in FASTERDIT_KEYS}),
+            **self.extra_metadata,
         }
 
 
@@ -238,6 +259,35 @@ def _sampler_text(arch: str, args: Any) -> str:
     return f"host {module}.get_noisy_model_input_and_timesteps ({mode})"
 
 
+def routing(
+    ctx: TrainerContext, family: Any, cfg: DownscaleConfig, arch: str, seed: int, buckets: tuple[list, list, int]
+) -> tuple[HostRouter, Plan | None, Accounting]:
+    """The router, the banner's plan (main process) and the accounting for ``cfg``'s routes.
+
+    ``buckets`` is :func:`dataset_buckets`' answer. A map run has no routes until its map has run,
+    so it gets no plan until then.
+    """
+    args, accelerator = ctx.args, ctx.accelerator
+    latent_buckets, weights, batch_size = buckets
+    accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+    router = HostRouter.from_config(
+        cfg, arch, seed, total_forwards=int(args.max_train_steps) * accumulation, devices=fork_devices(accelerator.device)
+    )
+    router.host = (args, ctx.current_step)
+    predict = int(accelerator.process_index) == 0 and (cfg.mode == "train" or bool(cfg.routes))
+    world = int(accelerator.num_processes)
+    plan = _predict(ctx, family, cfg, arch, latent_buckets, weights, batch_size, world) if predict else None
+    accounting = Accounting(
+        cfg.routes,
+        FLOP_PRESETS[arch],
+        plan.probs if plan else None,
+        predicted_flop_saving=plan.flop_saving if plan else None,
+        token_values=Accounting.vocabulary(latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
+        sigma_policy=cfg.sigma_policy,
+    )
+    return router, plan, accounting
+
+
 def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> DownscaleRun | None:
     """``prepare_network``: validate, detect, build the router and accounting, install everything."""
     cfg = plugin_config(plugin_keys, args)
@@ -253,39 +303,38 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
             f"arch: the config says {cfg.arch!r} but this run is {arch!r} ({type(ctx.trainer).__name__}); remove arch or fix it"
         )
     family = make_family(arch)
+    options = step_options(cfg, arch)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
     for note in host_warnings(args, arch, cfg, world):
         logger.warning("downscale_plugin: %s", note)
     seed = _shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
-    accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
-    router = HostRouter.from_config(
-        cfg, arch, seed, total_forwards=int(args.max_train_steps) * accumulation, devices=fork_devices(accelerator.device)
-    )
-    router.host = (args, ctx.current_step)
-    buckets, weights, batch_size = dataset_buckets(ctx.dataset_group, get_arch(arch).vae_factor)
-    plan = _predict(ctx, family, cfg, arch, buckets, weights, batch_size, world) if rank == 0 else None
-    accounting = Accounting(
-        cfg.routes,
-        FLOP_PRESETS[arch],
-        plan.probs if plan else None,
-        predicted_flop_saving=plan.flop_saving if plan else None,
-        token_values=Accounting.vocabulary(buckets, cfg.routes, arch, cfg.tier_tolerance),
-    )
+    buckets = dataset_buckets(ctx.dataset_group, get_arch(arch).vae_factor)
+    router, plan, accounting = routing(ctx, family, cfg, arch, seed, buckets)
     run = DownscaleRun(cfg, arch, inner, seed, accelerator, accounting)
-    hook = DownscaleHook(router, family, rank=rank, world_size=world, on_step=run.on_step, step_logs=run.step_logs)
+    session = None
+    if cfg.mode == "map":
+        from .sd_scripts_map import MapSession  # the estimator and the plots load for a map run only
+
+        session = MapSession(run, ctx, family, buckets)
+    hook = (session.make_hook if session else DownscaleHook)(
+        router, family, options=options, rank=rank, world_size=world, on_step=run.on_step, step_logs=run.step_logs
+    )
     try:
         _install_hook(hook, ctx.trainer)
     except AttributeError as err:
         raise HostError(f"missing hook point: {err}; {SUPPORTED}") from err
+    if session:
+        session.install()
     _wrap_save_and_end(network, accelerator, run, args)
     if rank == 0:
         head = (
             f"downscale_plugin {_version()}: {arch} ({type(ctx.trainer).__name__}), inner network {inner}, gate {cfg.gate}, "
-            f"seed {seed}, {world} process(es); σ from {_sampler_text(arch, args)}"
+            f"seed {seed}, {world} process(es); σ from {_sampler_text(arch, args)}; "
+            + ", ".join(f"{key} {getattr(cfg, key)}" for key in FASTERDIT_KEYS)
         )
         rules = "\n".join(f"  r{i} {r.label} {r.window_text()} {r.span or ''}" for i, r in enumerate(cfg.routes))
-        logger.info("%s\n%s", head, format_plan(plan) if plan else rules)
+        logger.info("%s\n%s", head, session.banner() if session else format_plan(plan) if plan else rules)
     network.downscale_run = run
     return run
 
@@ -298,6 +347,7 @@ def _install_hook(hook: DownscaleHook, trainer: Any) -> None:
 
     setattr(trainer, EXPLICIT_STEP_HOOK, hook.dispatch)
     setattr(trainer, EXPLICIT_LOGS_HOOK, hook.step_logs)
+    hook.install_loss(trainer)  # the patch has no call point around the loss
 
 
 def _wrap_save_and_end(network: Any, accelerator: Any, run: DownscaleRun, args: Any) -> None:

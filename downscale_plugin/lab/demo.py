@@ -62,10 +62,9 @@ class DemoResult:
 
 
 def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, progress: bool = True) -> DemoResult:
-    from ..accounting import FlopModel
     from ..hosts.lab import LabPlugin
     from .data import LabData, LabDataConfig
-    from .model import LabModelConfig, flop_shape
+    from .model import LabModelConfig
     from .pretrain import load_or_pretrain
     from .trainer import delta_cosine, native_validation_loss, train_lora
 
@@ -73,8 +72,7 @@ def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, prog
     data = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
     model = load_or_pretrain(model_cfg, quick=settings.quick, progress=progress, data=data)
     config = config or load_config(table={"routes": list(DEMO_ROUTES)})
-    buckets = [data.cfg.latent_hw(b) for b in data.cfg.buckets]
-    plugin = LabPlugin(config, FlopModel(*flop_shape(model_cfg)), buckets, settings.batch_size)
+    plugin = LabPlugin.for_lab(config, model_cfg, data, settings.batch_size)
     common = dict(
         model=model,
         data=data,

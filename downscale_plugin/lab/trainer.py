@@ -4,7 +4,9 @@
 does, step for step (noise first, then the σ sampler and ``prepare_img_ids`` looked up as module
 attributes at call time, pack, DiT call, unpack, prediction type, target = noise − latents), and
 ``process_batch`` / ``generate_step_logs`` are called on the instance, so the plugin can wrap them on
-the instance exactly as it does in the host. Not mirrored: Chroma's modulation vectors, differential
+the instance exactly as it does in the host. ``process_batch`` computes its elementwise loss with the
+module-level :func:`conditional_loss` (sd-scripts' ``train_util.conditional_loss`` signature), looked
+up at call time, so the direction-loss scope wraps it exactly as in the host. Not mirrored: Chroma's modulation vectors, differential
 output preservation, masked loss, text-encoder training (the lab has no text encoder to train).
 """
 
@@ -69,6 +71,18 @@ def lab_args(**overrides: Any) -> argparse.Namespace:
     )
     args.update(overrides)
     return argparse.Namespace(**args)
+
+
+def conditional_loss(
+    model_pred: torch.Tensor, target: torch.Tensor, loss_type: str, reduction: str, huber_c: torch.Tensor | None = None
+) -> torch.Tensor:
+    """The host's loss switch for the lab's loss types (``l2``, ``l1``); the Huber types need the host's
+    scheduled threshold, which the lab does not compute."""
+    if loss_type == "l2":
+        return F.mse_loss(model_pred, target, reduction=reduction)
+    if loss_type == "l1":
+        return F.l1_loss(model_pred, target, reduction=reduction)
+    raise NotImplementedError(f"loss_type: {loss_type!r} is not available in the lab trainer (allowed: l2, l1)")
 
 
 class LabAccelerator:
@@ -156,7 +170,7 @@ class LabTrainer:
         is_train: bool = True,
         train_unet: bool = True,
     ) -> torch.Tensor:
-        """Per-sample mean of the (weighted) elementwise MSE, × ``loss_weights``, batch mean."""
+        """Per-sample mean of the (weighted) elementwise loss, × ``loss_weights``, batch mean."""
         with torch.no_grad():
             latents = batch["latents"].to(accelerator.device)
         text_encoder_conds = batch.get("text_encoder_outputs_list") or text_encoders.encode(batch["class_ids"], accelerator.device)
@@ -173,7 +187,7 @@ class LabTrainer:
             train_unet,
             is_train=is_train,
         )
-        loss = F.mse_loss(noise_pred.float(), target.float(), reduction="none")
+        loss = conditional_loss(noise_pred.float(), target.float(), args.loss_type, "none", None)
         if weighting is not None:
             loss = loss * weighting
         loss = loss.mean(dim=list(range(1, loss.ndim)))

@@ -1,0 +1,348 @@
+"""``mode = "map"`` in an sd-scripts run: the gradient map on the run's own model, network and data.
+
+Timeline (one process; DESIGN §5):
+
+1. ``start`` (``prepare_network``) builds a :class:`MapSession`. The router has no routes yet, so
+   the first steps run native, bitwise the host's. What the run's buckets and length already show
+   (a ratio with no smaller grid, too few batches for the probes, several processes, a missing
+   package) stops the run there, before any compute.
+2. Every train ``process_batch`` call until the map has run hands its batch to the session, split
+   into single-sample probes (copied before the host touches the batch); the step then runs.
+3. At the call that completes ``map_images`` probes, before that step runs: the map
+   (:func:`~downscale_plugin.mapping.estimator.run_map` over
+   :class:`~downscale_plugin.mapping.sd_scripts_backend.SdScriptsBackend`). Every draw is the
+   trainer class's own ``process_batch``, run by :class:`MapHook` at the arm's grid and the map's σ.
+   Torch's CPU and device RNG and Python's and NumPy's global RNG are restored afterwards, and the
+   gradients come from ``autograd.grad``, so ``.grad`` (accumulated gradients included) and the
+   optimizer are never touched: training continues exactly as if the map had not run. The lab
+   map's files go to ``map_out``, and the table to the log.
+4. ``after_map = "stop"``: the end summary and the host's ``accelerator.end_training()`` run, then
+   ``SystemExit(0)``: the script ends without a traceback and saves no weights.
+   ``after_map = "train"``: the windows TOML, read as the router reads it, becomes the run's routes
+   (the config's other keys kept); router, plan, accounting (the native steps so far carried over)
+   and the saved file's metadata (``ss_downscale_map``) follow, and the step continues, routed.
+
+Multi-process runs are refused: ranks would measure different probes and derive different windows.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import json
+import logging
+import math
+import os
+import random
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import numpy as np
+import toml
+import torch
+
+from ..accounting import Accounting
+from ..config import load_config
+from ..grid import area_downsample, get_arch, target_grid
+from ..mapping.arms import build_arms
+from ..mapping.bins import parse_bins
+from ..mapping.sd_scripts_backend import SdScriptsBackend, split_batch
+from ..plan import format_plan
+from ..sigma import sigma_to_ddpm_t
+from .families import DDPMFamily, FlowFamily
+from .hook import DownscaleHook, fork_devices
+from .sd_scripts import HostError, TrainerContext
+from .sd_scripts_run import DownscaleRun, routing
+
+logger = logging.getLogger(__name__)
+
+MAP_PACKAGES = ("scipy", "matplotlib", "tqdm")  # the estimator's bound, the heatmap, the progress bar (imported on use)
+
+
+def host_timestep(family: FlowFamily | DDPMFamily, noise_scheduler: Any, sigma: float) -> tuple[float, float]:
+    """The (timestep, σ) the host's sampler returns with σ: t = σ·T for the flow samplers (every
+    sd-scripts mode, SD3's and Lumina's too), the equal-SNR DDPM step for SD1.x/SDXL (whose schedule
+    ends below σ = 1: every σ above t = 999's, 0.936 for ``scaled_linear``, runs at t = 999)."""
+    if isinstance(family, DDPMFamily):
+        return float(sigma_to_ddpm_t(torch.tensor([sigma]), noise_scheduler.alphas_cumprod.cpu())[0]), sigma
+    return sigma * noise_scheduler.config.num_train_timesteps, sigma
+
+
+class MapHook(DownscaleHook):
+    """The step hook of a map run: inside :meth:`forcing` a train step runs the host at the given
+    grid (None: native) and σ, and is not counted; outside it, the plain hook."""
+
+    forced: tuple[tuple[int, int] | None, float] | None = None
+
+    @contextmanager
+    def forcing(self, target_hw: tuple[int, int] | None, sigma: float) -> Iterator[None]:
+        self.forced = (target_hw, float(sigma))
+        try:
+            yield
+        finally:
+            self.forced = None
+
+    def train_step(self, original: Any, call: tuple) -> Any:
+        if self.forced is None:
+            return super().train_step(original, call)
+        target_hw, sigma = self.forced
+        args, accelerator, noise_scheduler, latents = call[:4]
+        sampler = self.family.bind(args, noise_scheduler, latents, accelerator.device, call[8])
+        with torch.random.fork_rng(devices=fork_devices(accelerator.device)):
+            sampler.first()  # records the host's output dtypes for the replay
+        sampler.drawn[sigma] = host_timestep(self.family, noise_scheduler, sigma)
+        small = latents if target_hw is None else area_downsample(latents, target_hw)
+        with sampler.replay(torch.tensor([sigma], dtype=torch.float64)):
+            return original(args, accelerator, noise_scheduler, small, *call[4:], is_train=True)
+
+
+@contextmanager
+def preserved_rng(devices: list[int]) -> Iterator[None]:
+    """Torch's CPU and ``devices`` generators and Python's and NumPy's global RNG, as they were."""
+    python_state, numpy_state = random.getstate(), np.random.get_state()
+    try:
+        with torch.random.fork_rng(devices=devices):
+            yield
+    finally:
+        random.setstate(python_state)
+        np.random.set_state(numpy_state)
+
+
+def carry_native(old: Accounting, new: Accounting) -> None:
+    """Count the native steps before the map (an accounting without routes) in ``new`` (native: its last slot)."""
+    state = old.state()
+    pad = len(new.rules) - len(old.rules)
+    for key in ("steps", "samples", "loss_sum", "loss_count"):
+        state[key] = [0.0] * pad + state[key]
+    state["window"] = [(0.0, 0.0)] * pad + state["window"]
+    new.merge(state)
+
+
+class MapSession:
+    """One map run's state; see the module docstring. ``buckets`` is ``dataset_buckets``' answer."""
+
+    def __init__(self, run: DownscaleRun, ctx: TrainerContext, family: FlowFamily | DDPMFamily, buckets: tuple[list, list, int]):
+        missing = [name for name in MAP_PACKAGES if importlib.util.find_spec(name) is None]
+        if missing:
+            raise HostError(f'mode = "map": {", ".join(missing)} not installed; the map needs them: pip install "downscale-plugin[map]"')
+        from ..mapping.estimator import MapSettings
+
+        cfg = run.cfg
+        self.run, self.ctx, self.family, self.buckets = run, ctx, family, buckets
+        self.arms = build_arms(cfg.map_ratios)
+        self.bins = parse_bins(cfg.map_bins)
+        self.settings = MapSettings(
+            margin=cfg.map_margin, draws=cfg.map_draws, images=cfg.map_images, seed=run.seed, simultaneous=cfg.map_simultaneous
+        )
+        self.out_dir = os.path.abspath(cfg.map_out)
+        self.devices = fork_devices(ctx.accelerator.device)
+        self.batches_needed = math.ceil(cfg.map_images / max(buckets[2], 1))
+        problems = self.problems()
+        if problems:
+            raise HostError('mode = "map":\n  - ' + "\n  - ".join(problems))
+        self.probes: list[dict[str, Any]] = []
+        self.batches = 0
+        self.measured = False
+        self.hook: MapHook | None = None
+        self._previous: Any = None
+
+    def problems(self) -> list[str]:
+        """What makes this map impossible in this run, found before any compute."""
+        from ..mapping.estimator import MapInputError, check_inputs
+
+        cfg, run, args = self.run.cfg, self.run, self.ctx.args
+        problems = []
+        if run.world_size > 1:
+            problems.append(f"{run.world_size} processes: the map runs on one process (launch with --num_processes 1)")
+        try:
+            check_inputs(self.arms, self.bins, self.settings)
+        except MapInputError as err:
+            problems += err.problems
+        spec = get_arch(run.arch)
+        for h, w in self.buckets[0]:
+            bad = [r for r in cfg.map_ratios if target_grid((h, w), r, spec) is None]
+            if bad:
+                problems.append(
+                    f"map_ratios: {', '.join(f'{r:g}' for r in bad)} give no strictly smaller {spec.name} grid (multiple {spec.multiple}) "
+                    f"for the {h}x{w} latent bucket of this dataset"
+                )
+        forwards = int(args.max_train_steps) * int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+        if forwards < self.batches_needed:
+            problems.append(
+                f"map_images: {cfg.map_images} probes need {self.batches_needed} train batches of {self.buckets[2]}, "
+                f"but the run has {forwards}; lower map_images or raise --max_train_steps"
+            )
+        return problems
+
+    def make_hook(self, *args: Any, **kwargs: Any) -> MapHook:
+        """The run's step hook (``DownscaleHook``'s arguments)."""
+        self.hook = MapHook(*args, **kwargs)
+        return self.hook
+
+    def banner(self) -> str:
+        s, cfg = self.settings, self.run.cfg
+        passes = s.images * len(self.bins) * len(self.arms) * s.draws
+        return (
+            f'  mode = "map": the gradient map runs when the first {s.images} training samples are in (batch {self.batches_needed}, '
+            f"before its step); routes {', '.join(a.name for a in self.arms if a.compared)}, σ bins {self.bins.spec()} "
+            f"({len(self.bins)} with σ = 1), D = {s.draws}, margin {s.margin:g}{' (Bonferroni)' if s.simultaneous else ''}: "
+            f"{passes} forward+backward passes; outputs to {self.out_dir}; then after_map = {cfg.after_map!r}"
+        )
+
+    # -- the process_batch wrapper ----------------------------------------------------------------
+
+    def install(self) -> None:
+        """Wrap the trainer's ``process_batch`` (around any wrapper already installed) until the map has
+        run, and ``accelerator.end_training`` to say so when a run ends before its map."""
+        accelerator = self.run.accelerator
+        end = accelerator.end_training
+
+        def end_training(*args: Any, **kwargs: Any) -> Any:
+            if not self.measured:  # e.g. --max_train_epochs made the run shorter than prepare_network saw
+                logger.error(
+                    'downscale_plugin: mode = "map": the run ended after %d of the %d probe samples the map needs; no map was made',
+                    len(self.probes),
+                    self.settings.images,
+                )
+            return end(*args, **kwargs)
+
+        accelerator.end_training = end_training
+        trainer = self.ctx.trainer
+        self._previous = trainer.__dict__.get("process_batch")
+        current = trainer.process_batch
+        signature = inspect.signature(type(trainer).process_batch)
+
+        def process_batch(*args: Any, **kwargs: Any) -> Any:
+            call = signature.bind(trainer, *args, **kwargs)
+            call.apply_defaults()
+            if call.arguments["is_train"]:
+                self.offer(call.arguments)
+            return current(*args, **kwargs)
+
+        trainer.process_batch = process_batch
+
+    def uninstall(self) -> None:
+        trainer = self.ctx.trainer
+        if self._previous is None:
+            trainer.__dict__.pop("process_batch", None)
+        else:
+            trainer.process_batch = self._previous
+
+    def offer(self, arguments: dict[str, Any]) -> None:
+        """A train batch: take its samples as probes; with enough, run the map and what follows it."""
+        self.batches += 1
+        self.probes += split_batch(arguments["batch"])
+        if len(self.probes) < self.settings.images:
+            return
+        self.uninstall()
+        self.measured = True
+        result, paths = self.measure(arguments)
+        if self.run.cfg.after_map == "stop":
+            logger.info(
+                'downscale_plugin: map written to %s; after_map = "stop": ending the run before training batch %d (no weights saved)',
+                self.out_dir,
+                self.batches,
+            )
+            self.run.accelerator.end_training()
+            raise SystemExit(0)
+        self.train_with(result, paths["toml"])
+
+    # -- the map ----------------------------------------------------------------------------------
+
+    def command(self) -> str:
+        return f"python {' '.join(sys.argv)} (downscale_plugin mode = map, before train batch {self.batches})"
+
+    def measure(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, str]]:
+        """Run the map on the first ``map_images`` probes with the trainer's own step; write every output."""
+        from ..mapping.estimator import MapInputError, run_map
+        from ..mapping.report import console_table, write_outputs
+
+        trainer, accelerator = self.ctx.trainer, arguments["accelerator"]
+        host_step = type(trainer).process_batch  # the host's own, without any plugin wrapper
+        rest = {k: v for k, v in arguments.items() if k not in ("self", "batch")}
+        network = accelerator.unwrap_model(arguments["network"])
+        params = [p for p in network.parameters() if p.requires_grad]
+        backend = SdScriptsBackend(
+            self.probes[: self.settings.images],
+            lambda probe: host_step(trainer, probe, **rest),
+            self.hook.forcing,
+            params,
+            self.run.arch,
+            self.devices,
+            self.describe(arguments),
+        )
+        t0 = time.perf_counter()
+        with preserved_rng(self.devices):
+            try:
+                result = run_map(backend, self.arms, self.bins, self.settings, provenance={"command": self.command()})
+            except MapInputError as err:
+                raise HostError(str(err)) from None
+        paths = write_outputs(result, self.out_dir, self.command())
+        logger.info(
+            "downscale_plugin: gradient map before train batch %d (%.1f s)\n%s\n%s",
+            self.batches,
+            time.perf_counter() - t0,
+            console_table(result),
+            "\n".join(f"wrote {p}" for p in paths.values()),
+        )
+        return result, paths
+
+    def describe(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Provenance of the model, adapter and data (every output file carries it)."""
+        args, accelerator = arguments["args"], arguments["accelerator"]
+        unet = accelerator.unwrap_model(arguments["unet"])
+        n = self.settings.images
+        captions = [str(p["captions"][0])[:60] for p in self.probes[:n] if p.get("captions")]
+        return {
+            "model": f"{type(unet).__name__} ({sum(p.numel() for p in unet.parameters()) / 1e6:.1f} M parameters), "
+            f"{getattr(args, 'pretrained_model_name_or_path', None) or '?'}",
+            "adapter": f"{self.run.inner} (network_dim {getattr(args, 'network_dim', '?')}, network_alpha {getattr(args, 'network_alpha', '?')}), "
+            f"as trained by the {self.batches - 1} native step(s) before the map",
+            "data": f"the run's first {n} training samples (train batches 1-{self.batches})"
+            + (f"; captions: {' | '.join(captions)}" if captions else ""),
+            "trainer": type(self.ctx.trainer).__name__,
+        }
+
+    # -- after_map = "train" ----------------------------------------------------------------------
+
+    def train_with(self, result: Any, windows_path: str) -> None:
+        """Make the windows TOML the run's routes: router, plan, accounting, metadata; log them."""
+        from ..mapping.windows import stack_windows
+
+        derived = load_config(plugin_toml=toml.load(windows_path))
+        run = self.run
+        cfg = run.cfg.with_routes(derived.routes)
+        router, plan, accounting = routing(self.ctx, self.family, cfg, run.arch, run.seed, self.buckets)
+        carry_native(run.accounting, accounting)
+        run.cfg, run.accounting, run.totals = cfg, accounting, accounting
+        self.hook.router = router
+        s = self.settings
+        run.extra_metadata["ss_downscale_map"] = json.dumps(
+            {
+                "windows_toml": windows_path,
+                "windows": [f"{w.arm} {w.text()}" for w in stack_windows(result).windows],
+                "before_train_batch": self.batches,
+                "probes": s.images,
+                "ratios": list(run.cfg.map_ratios),
+                "bins": self.bins.spec(),
+                "draws": s.draws,
+                "margin": s.margin,
+                "alpha": s.alpha,
+                "simultaneous": s.simultaneous,
+            }
+        )
+        if not cfg.routes:
+            logger.warning(
+                'downscale_plugin: after_map = "train": no route has a safe window at margin %g; training continues native', s.margin
+            )
+            return
+        rules = "\n".join(f"  r{i} {r.label} {r.window_text()}" for i, r in enumerate(cfg.routes))
+        logger.info(
+            'downscale_plugin: after_map = "train": training continues from batch %d with the derived windows (%s)\n%s',
+            self.batches,
+            windows_path,
+            format_plan(plan) if plan else rules,
+        )

@@ -1,0 +1,135 @@
+"""The map backend inside a real sd-scripts run (``mode = "map"``): the user's model, network and data.
+
+Probes are single samples cut from the run's own first batches, whatever a batch holds (cached
+latents or images, cached text-encoder outputs or token ids), so every draw runs the trainer's own
+``process_batch``: latents, text conditioning, ``get_noise_pred_and_target``, and the host's loss
+with its weighting, masks and per-sample loss weights. The arm's grid and the map's σ reach the
+host through the plugin's step hook (``hosts/sd_scripts_map.MapHook``): it area-downsamples the
+latents the host hands it, as a routed training step does, and replays σ through the host sampler
+slot with ``families.py``'s ``bind(...).replay``.
+
+Adapter: the gradient is taken w.r.t. the network's trainable parameters as they stand when the map
+runs (after the native steps that collected the probes). On a fresh LoRA (``lora_up`` = 0) the
+``lora_down`` factors get no gradient; the ``lora_up`` gradient is G·Aᵀ, a fixed random projection
+of the full weight gradient G, so the cosines still compare full-weight gradients, on fewer
+coordinates. ``describe`` reports how many adapter tensors are all zero.
+
+Only the native and plain latent-area arms run here: re-encode and pixel arms would need the VAE on
+every probe, and σ-policy or position variants are not router routes (the lab map has both).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import torch
+
+from ..grid import get_arch, target_grid
+from .arms import Arm
+
+Forcing = Callable[[tuple[int, int] | None, float], AbstractContextManager]
+
+
+def batch_size(batch: Mapping[str, Any]) -> int:
+    """Samples in an sd-scripts batch (every batch carries per-sample ``loss_weights``)."""
+    weights = batch.get("loss_weights")
+    if not isinstance(weights, torch.Tensor) or weights.ndim != 1:
+        raise ValueError(f"batch: no per-sample 'loss_weights' tensor (keys: {', '.join(batch)}); not an sd-scripts training batch")
+    return int(weights.shape[0])
+
+
+def _take(value: Any, i: int, n: int) -> Any:
+    """Sample i of one batch value: per-sample tensors and lists are cut, per-encoder lists element-wise."""
+    if isinstance(value, torch.Tensor):
+        return value[i : i + 1].clone() if value.ndim and value.shape[0] == n else value
+    if isinstance(value, (list, tuple)):
+        if any(isinstance(v, torch.Tensor) for v in value) and all(v is None or isinstance(v, torch.Tensor) for v in value):
+            return type(value)(_take(v, i, n) for v in value)  # text_encoder_outputs_list, input_ids_list: one entry per encoder
+        if len(value) == n:
+            return type(value)([value[i]])  # captions, flippeds, custom_attributes
+    return value
+
+
+def split_batch(batch: Mapping[str, Any]) -> list[dict[str, Any]]:
+    """One batch dict per sample, with the host's keys and layout (tensors copied: the host may reuse its own)."""
+    n = batch_size(batch)
+    return [{key: _take(value, i, n) for key, value in batch.items()} for i in range(n)]
+
+
+def probe_grid(probe: Mapping[str, Any], vae_factor: int) -> tuple[int, int]:
+    """A probe's native latent (h, w): from its cached latents, else from its images."""
+    latents = probe.get("latents")
+    if isinstance(latents, torch.Tensor):
+        return int(latents.shape[-2]), int(latents.shape[-1])
+    images = probe.get("images")
+    if isinstance(images, torch.Tensor):
+        return int(images.shape[-2]) // vae_factor, int(images.shape[-1]) // vae_factor
+    raise ValueError("probe: neither 'latents' nor 'images' in the batch")
+
+
+class SdScriptsBackend:
+    """:class:`~downscale_plugin.mapping.arms.MapBackend` over a running sd-scripts trainer.
+
+    ``step(probe)`` runs the trainer's ``process_batch`` on one probe batch and returns its loss;
+    ``forcing(target_hw, sigma)`` is the hook's scope that makes that step run at the arm's grid
+    (None: native) and σ. ``info`` is the run's provenance (model, adapter, data).
+    """
+
+    def __init__(
+        self,
+        probes: Sequence[dict[str, Any]],
+        step: Callable[[dict[str, Any]], torch.Tensor],
+        forcing: Forcing,
+        params: Sequence[torch.nn.Parameter],
+        arch: str,
+        rng_devices: Sequence[int],
+        info: Mapping[str, Any],
+    ):
+        self.probes = list(probes)
+        self.step = step
+        self.forcing = forcing
+        self.params = list(params)
+        self.arch = get_arch(arch)
+        self.rng_devices = tuple(rng_devices)
+        self.info = dict(info)
+        self.grids = [probe_grid(p, self.arch.vae_factor) for p in self.probes]
+
+    def describe(self) -> dict[str, Any]:
+        zero = sum(1 for p in self.params if not bool(p.detach().any()))
+        grids = sorted(set(self.grids))
+        out = {
+            **self.info,
+            "adapter_params": sum(p.numel() for p in self.params),
+            "adapter_zero_tensors": f"{zero} of {len(self.params)} (a fresh LoRA's lora_up is 0: its lora_down gets no gradient)",
+            "arch": self.arch.name,
+            "probe_grids": [list(g) for g in grids],
+        }
+        if len(grids) == 1:  # one tier: the windows TOML can name it ("1024:768"); several: scale rules
+            out["native_latent_hw"] = list(grids[0])
+        return out
+
+    def trainable_parameters(self) -> list[torch.nn.Parameter]:
+        return list(self.params)
+
+    def num_images(self) -> int:
+        return len(self.probes)
+
+    def unsupported(self, arm: Arm) -> str | None:
+        if arm.kind == "native":
+            return None
+        if not arm.routable:
+            return f"arm {arm.name}: the in-run map measures the router's plain latent-area routes only (the lab map has the others)"
+        bad = sorted({g for g in self.grids if target_grid(g, arm.ratio, self.arch) is None})
+        if bad:
+            return f"arm {arm.name}: no strictly smaller {self.arch.name} grid (multiple {self.arch.multiple}) for probe latents {bad}"
+        return None
+
+    def arm_input(self, image: int, arm: Arm) -> tuple[int, int] | None:
+        """The grid the arm's step runs at (None: the probe's native grid)."""
+        return None if arm.kind == "native" else target_grid(self.grids[image], arm.ratio, self.arch)
+
+    def loss(self, image: int, arm_input: tuple[int, int] | None, sigma: float) -> torch.Tensor:
+        with self.forcing(arm_input, sigma):
+            return self.step(dict(self.probes[image]))  # a fresh dict: some trainers rewrite batch keys in place

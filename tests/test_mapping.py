@@ -422,3 +422,75 @@ def test_policy_arms_run_at_their_sigma_and_interpolated_ids_span_the_native_gri
     for axis in (1, 2):
         assert sorted(set(ids_snr[..., axis].flatten().tolist())) == [0, 2, 4, 6]
     assert flux_utils.prepare_img_ids is original  # restored after the forward
+
+
+# --------------------------------------------------------------------- variants vs their plain latent arm
+
+T_975_2 = 4.302652729911275  # t(0.975; 2 dof): the two-sided 95% interval of a mean over 3 images
+GAPS = {  # debiased excess per image (3 images, one bin)
+    "latent_0.75": (0.30, 0.25, 0.20),
+    "latent_0.75@res_shift": (0.20, 0.13, 0.06),  # − plain: −0.10, −0.12, −0.14
+    "pixel_0.75": (0.40, 0.25, 0.30),  # − plain: +0.10, 0.00, +0.10
+    "latent_0.5@snr_match": (0.10, 0.10, 0.20),  # no latent_0.5 in the map
+    "reenc": (0.01, 0.02, 0.03),
+}
+
+
+def _hand_map():
+    """Cells whose debiased excess is GAPS by construction: natives agree (cos 1, reliability 1); an arm
+    at gap g has cos (1 − g)·√ρ with half-cosine 1/3 (ρ = 2/3 / (4/3) = 0.5) for the variants, so the
+    raw excess differs from the debiased one."""
+    from downscale_plugin.mapping.estimator import Cell, summarize
+
+    arms = (Arm(NATIVE_A, "native"), Arm(NATIVE_B, "native"), latent_arm(0.75), latent_arm(0.75, "res_shift"), pixel_arm(0.75),
+            latent_arm(0.5, "snr_match"), REENC)  # fmt: skip
+    rho = {name: 1.0 if name in ("latent_0.75", "reenc") else 0.5 for name in GAPS}
+    cells = []
+    for i in range(3):
+        cos = {f"{NATIVE_A}|{NATIVE_B}": 1.0}
+        for name, gaps in GAPS.items():
+            cos[f"{NATIVE_A}|{name}"] = cos[f"{NATIVE_B}|{name}"] = (1 - gaps[i]) * math.sqrt(rho[name])
+        half = {NATIVE_A: 1.0, NATIVE_B: 1.0, **{name: 1.0 if r == 1.0 else 1 / 3 for name, r in rho.items()}}
+        cells.append(Cell(i, 0, half, cos, {name: 1.0 for name in half}))
+    bins, settings = SigmaBins((0.0, 1.0), endpoint=False), MapSettings(margin=0.05, draws=8, images=3)
+    return MapResult(bins, arms, settings, summarize(cells, arms, bins, settings), cells, {"command": "hand"})
+
+
+def test_vs_plain_is_the_paired_difference_of_debiased_excesses_with_a_t_interval():
+    from downscale_plugin.mapping.report import console_table
+
+    result = _hand_map()
+    assert [excess(c, "latent_0.75@res_shift") for c in result.cells] == pytest.approx(GAPS["latent_0.75@res_shift"])
+    row = result.row("latent_0.75@res_shift", 0)
+    se = 0.02 / math.sqrt(3)  # sd of (−0.10, −0.12, −0.14) over √3
+    assert (row.vs_plain, row.vs_plain_se, row.vs_plain_n) == (pytest.approx(-0.12), pytest.approx(se), 3)
+    assert (row.vs_plain_lo, row.vs_plain_hi) == (pytest.approx(-0.12 - T_975_2 * se), pytest.approx(-0.12 + T_975_2 * se))
+    assert row.vs_plain != pytest.approx(row.raw_excess - result.row("latent_0.75", 0).raw_excess)  # debiased, not raw
+    pixel = result.row("pixel_0.75", 0)
+    assert pixel.vs_plain == pytest.approx(0.2 / 3) and pixel.vs_plain_lo < 0 < pixel.vs_plain_hi
+    for name in ("latent_0.75", "latent_0.5@snr_match", "reenc"):  # the plain arm itself, no plain sibling, not a small arm
+        r = result.row(name, 0)
+        assert r.vs_plain_n == 0 and all(math.isnan(v) for v in (r.vs_plain, r.vs_plain_se, r.vs_plain_lo, r.vs_plain_hi))
+    table = console_table(result).split("paired difference vs the plain latent arm (negative = closer to native)")[1]
+    assert "-0.120 ± 0.012 [-0.170, -0.070]<" in table and "+0.067 ± 0.033 [-0.077, +0.210]\n" in table  # no mark: spans 0
+    assert "latent_0.5@snr_match" not in table.split("windows")[0]
+
+
+def test_vs_plain_is_recomputed_from_the_cells_by_from_json(tmp_path, capsys):
+    import downscale_plugin.mapping.cli  # noqa: F401  (registers the command)
+    from downscale_plugin.cli import main
+    from downscale_plugin.mapping.report import write_json
+
+    result = _hand_map()
+    write_json(result, str(tmp_path / "map.json"))
+    blob = json.loads((tmp_path / "map.json").read_text())
+    assert MapResult.from_json(blob).rows == result.rows
+    for row in blob["rows"]:  # stale rows: from_json must not read them back
+        row["vs_plain"] = 9.0
+    (tmp_path / "map.json").write_text(json.dumps(blob))
+    assert main(["map", "--from_json", str(tmp_path / "map.json"), "--out", str(tmp_path / "out")]) == 0
+    assert "-0.120 ± 0.012 [-0.170, -0.070]<" in capsys.readouterr().out
+    rows = {r["arm"]: r for r in json.loads((tmp_path / "out" / "map.json").read_text())["rows"]}
+    assert rows["latent_0.75@res_shift"]["vs_plain"] == pytest.approx(-0.12) and rows["latent_0.75"]["vs_plain"] is None
+    header = (tmp_path / "out" / "map.csv").read_text().splitlines()[0].split(",")
+    assert header[-5:] == ["vs_plain", "vs_plain_se", "vs_plain_lo", "vs_plain_hi", "vs_plain_n"]

@@ -80,6 +80,14 @@ class Arm:
         return self.kind == "latent" and self.setting == PLAIN
 
 
+def plain_sibling(arm: Arm, arms: Sequence[Arm]) -> Arm | None:
+    """The keep/plain latent arm of ``arm``'s ratio, which a variant (a latent arm under another
+    setting, or a pixel arm) is read against; None for that arm itself, non-small arms, or when absent."""
+    if arm.kind not in SMALL_KINDS or arm.routable:
+        return None
+    return next((a for a in arms if a.routable and a.ratio == arm.ratio), None)
+
+
 def small_arm(kind: str, ratio: float, policy: str = "keep", positions: str = "plain") -> Arm:
     """``latent_0.75``, ``latent_0.75@res_shift``, ``latent_0.75+interp``, ``pixel_0.75@snr_match+interp``."""
     return Arm(f"{kind}_{ratio:g}{setting_suffix((policy, positions))}", kind, ratio, policy, positions)

@@ -19,6 +19,12 @@ With a ``reenc`` arm every other compared arm also gets the anchor paper's repor
 paired per-image excess over the re-encode control (excess_arm − excess_reenc, same trimming, SE and
 bound): a VAE round trip alone already moves the gradient, and that part is not the route's fault.
 Verdicts and windows stay on the excess over the native floor (conservative when reenc ≥ 0).
+
+Every variant of a ratio (a latent arm under a σ policy or interpolated positions, a pixel arm) also
+gets its paired per-image difference from the plain keep latent arm of that ratio (excess_arm −
+excess_plain on the same images, bins and native arms) with a two-sided (1−α) t interval: whether
+the variant is closer to native (negative) is a question about the difference, which the two
+arms' separate bounds answer badly (the image-to-image spread and the shared floor cancel in the pair).
 """
 
 from __future__ import annotations
@@ -35,7 +41,7 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
-from .arms import NATIVE_A, NATIVE_B, PLAIN, Arm, MapBackend
+from .arms import NATIVE_A, NATIVE_B, PLAIN, Arm, MapBackend, plain_sibling
 from .bins import SigmaBins
 
 TRIM = 1.5  # |excess| beyond this is an estimator failure, not a gap (anchor: 36-40 of 40 kept)
@@ -248,6 +254,11 @@ class BinResult:
     over_reenc_se: float = math.nan
     over_reenc_ub: float = math.nan
     over_reenc_n: int = 0
+    vs_plain: float = math.nan  # paired excess minus the plain keep latent arm's of the ratio (NaN: no sibling)
+    vs_plain_se: float = math.nan
+    vs_plain_lo: float = math.nan  # two-sided (1−α) t interval
+    vs_plain_hi: float = math.nan
+    vs_plain_n: int = 0
 
 
 def _mean_se(values: Sequence[float]) -> tuple[float, float, int, int]:
@@ -265,11 +276,35 @@ def _nanmean(values: Sequence[float]) -> float:
     return float(np.mean(finite)) if finite else math.nan
 
 
-def upper_bound(mean: float, se: float, n: int, alpha: float) -> float:
-    """One-sided (1−α) t upper bound of a mean; +inf when it cannot be formed (n < 2)."""
+def _t_half_width(se: float, n: int, tail: float) -> float:
+    """t(1−tail; n−1)·SE; +inf when it cannot be formed (n < 2)."""
     if n < 2 or not math.isfinite(se):
         return math.inf
-    return mean + float(stats.t.ppf(1.0 - alpha, n - 1)) * se
+    return float(stats.t.ppf(1.0 - tail, n - 1)) * se
+
+
+def upper_bound(mean: float, se: float, n: int, alpha: float) -> float:
+    """One-sided (1−α) t upper bound of a mean; +inf when it cannot be formed (n < 2)."""
+    return mean + _t_half_width(se, n, alpha)
+
+
+def interval(mean: float, se: float, n: int, alpha: float) -> tuple[float, float]:
+    """Two-sided (1−α) t interval of a mean; NaN without a mean, unbounded when it cannot be formed (n < 2)."""
+    if n == 0:
+        return math.nan, math.nan
+    half = _t_half_width(se, n, alpha / 2)
+    return mean - half, mean + half
+
+
+NO_PAIR = (math.nan, math.nan, 0, 0)
+
+
+def paired(group: Sequence[Cell], arm: str, ref: str | None) -> tuple[float, float, int, int]:
+    """Mean, SE, kept and trimmed n of the per-image excess(arm) − excess(ref) over one bin's cells
+    (trimmed like the excess); :data:`NO_PAIR` without a reference or against itself."""
+    if ref is None or ref == arm:
+        return NO_PAIR
+    return _mean_se([excess(c, arm) - excess(c, ref) for c in group])
 
 
 def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, settings: MapSettings) -> list[BinResult]:
@@ -279,6 +314,7 @@ def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, setti
     for cell in cells:
         by_bin.setdefault(cell.bin, []).append(cell)
     reenc = next((a.name for a in arms if a.kind == "reenc"), None)
+    plains = {a.name: sibling.name for a in arms if (sibling := plain_sibling(a, arms))}
     rows = []
     for arm in (a for a in arms if a.compared):
         for b in range(len(bins)):
@@ -286,9 +322,9 @@ def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, setti
             mean, se, n, trimmed = _mean_se([excess(c, arm.name) for c in group])
             raw_mean, raw_se, _, _ = _mean_se([excess(c, arm.name, debias=False) for c in group])
             ub = upper_bound(mean, se, n, alpha)
-            paired = (math.nan, math.nan, 0, 0)
-            if reenc is not None and arm.name != reenc:
-                paired = _mean_se([excess(c, arm.name) - excess(c, reenc) for c in group])
+            over = paired(group, arm.name, reenc)
+            vs = paired(group, arm.name, plains.get(arm.name))
+            vs_lo, vs_hi = interval(*vs[:3], alpha)
             lo, hi = bins.bounds(b)
             rows.append(
                 BinResult(
@@ -314,10 +350,15 @@ def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, setti
                     norm_native=_nanmean([c.norm[k] for c in group for k in (NATIVE_A, NATIVE_B)]),
                     norm_arm=_nanmean([c.norm[arm.name] for c in group]),
                     safe=ub < settings.margin,
-                    over_reenc=paired[0],
-                    over_reenc_se=paired[1],
-                    over_reenc_ub=upper_bound(*paired[:3], alpha) if paired[2] else math.nan,
-                    over_reenc_n=paired[2],
+                    over_reenc=over[0],
+                    over_reenc_se=over[1],
+                    over_reenc_ub=upper_bound(*over[:3], alpha) if over[2] else math.nan,
+                    over_reenc_n=over[2],
+                    vs_plain=vs[0],
+                    vs_plain_se=vs[1],
+                    vs_plain_lo=vs_lo,
+                    vs_plain_hi=vs_hi,
+                    vs_plain_n=vs[2],
                 )
             )
     return rows

@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, fields
 
-from .arms import PLAIN, setting_suffix
+from .arms import PLAIN, plain_sibling, setting_suffix
 from .estimator import BinResult, MapResult
 from .windows import arm_windows, other_windows, stack_windows, windows_toml
 
@@ -28,32 +28,45 @@ COLUMNS = 4  # arms per console block: a map with policy/positions variants stay
 
 def _blocks(result: MapResult, arms: list, cell: Callable[[BinResult], str]) -> list[str]:
     """Bins down, at most :data:`COLUMNS` arms across per block, each cell from ``cell(row)``."""
-    width = 31
     lines: list[str] = []
     for start in range(0, len(arms), COLUMNS):
         chunk = arms[start : start + COLUMNS]
+        texts = [[cell(result.row(a.name, b)) for a in chunk] for b in range(len(result.bins))]
+        width = 2 + max(29, *(len(a.name) for a in chunk), *(len(t) for row in texts for t in row))
         head = f"{'σ bin':<16}{'floor cos':>10}{'ĉ(A,B)':>8}  " + "".join(f"{a.name:>{width}}" for a in chunk)
         lines += [head, "-" * len(head)]
         for b in range(len(result.bins)):
             first = result.row(chunk[0].name, b)
-            cells = "".join(cell(result.row(a.name, b)).rjust(width) for a in chunk)
-            lines.append(f"{result.bins.label(b):<16}{_fmt(first.floor_cos, False):>10}{_fmt(first.floor_debiased, False):>8}  " + cells)
+            cells = "".join(t.rjust(width) for t in texts[b])
+            row = f"{result.bins.label(b):<16}{_fmt(first.floor_cos, False):>10}{_fmt(first.floor_debiased, False):>8}  " + cells
+            lines.append(row.rstrip())
     return lines
 
 
+def _kept(n: int, r: BinResult) -> str:
+    """`` n=7`` when images were trimmed, blank of the same width otherwise (columns stay aligned)."""
+    images = r.n + r.trimmed
+    return (f" n={n}" if n < images else "").ljust(len(f" n={images}"))
+
+
 def _floor_cell(r: BinResult) -> str:
-    kept = f" n={r.n}" if r.trimmed else ""
-    return f"{_fmt(r.excess)} ± {_fmt(r.se, False)} ≤{_fmt(r.ub)}{'*' if r.safe else ' '}{kept}"
+    return f"{_fmt(r.excess)} ± {_fmt(r.se, False)} ≤{_fmt(r.ub)}{'*' if r.safe else ' '}{_kept(r.n, r)}"
 
 
 def _reenc_cell(r: BinResult) -> str:
-    kept = f" n={r.over_reenc_n}" if r.over_reenc_n < r.n + r.trimmed else ""
-    return f"{_fmt(r.over_reenc)} ± {_fmt(r.over_reenc_se, False)} ≤{_fmt(r.over_reenc_ub)} {kept}"
+    return f"{_fmt(r.over_reenc)} ± {_fmt(r.over_reenc_se, False)} ≤{_fmt(r.over_reenc_ub)} {_kept(r.over_reenc_n, r)}"
+
+
+def _vs_plain_cell(r: BinResult) -> str:
+    side = "<" if r.vs_plain_hi < 0 else ">" if r.vs_plain_lo > 0 else " "
+    interval = f"[{_fmt(r.vs_plain_lo)}, {_fmt(r.vs_plain_hi)}]"
+    return f"{_fmt(r.vs_plain)} ± {_fmt(r.vs_plain_se, False)} {interval}{side}{_kept(r.vs_plain_n, r)}"
 
 
 def console_table(result: MapResult) -> str:
     """Bins down, arms across: ``mean ± SE  ≤UB`` with ``*`` on safe bins; the excess over the
-    re-encode control when the map has one; then the windows of each setting and of the pixel arms."""
+    re-encode control when the map has one; each variant's paired difference from its plain latent
+    arm when the map has variants; then the windows of each setting and of the pixel arms."""
     routes = result.routes()
     arms = routes + [a for a in result.arms if a.compared and a not in routes]
     s = result.settings
@@ -67,6 +80,15 @@ def console_table(result: MapResult) -> str:
     if len(vs_reenc) < len(arms):
         lines += ["", "paired excess over the re-encode control (arm − reenc per image; not used for verdicts)"]
         lines += _blocks(result, vs_reenc, _reenc_cell)
+    variants = [a for a in arms if plain_sibling(a, result.arms)]
+    if variants:
+        lines += [
+            "",
+            "paired difference vs the plain latent arm (negative = closer to native): arm − latent_<ratio> per image,"
+            f" mean ± SE [{100 * (1 - s.alpha):g}% t interval{', Bonferroni' if s.simultaneous else ''}];"
+            " < / > = interval below / above 0",
+        ]
+        lines += _blocks(result, variants, _vs_plain_cell)
     lines.append("")
     for setting in result.route_settings():
         stack = stack_windows(result, setting)

@@ -51,7 +51,6 @@ from ..mapping.arms import build_arms
 from ..mapping.bins import parse_bins
 from ..mapping.sd_scripts_backend import SdScriptsBackend, split_batch
 from ..plan import format_plan
-from ..sigma import sigma_to_ddpm_t
 from .families import DDPMFamily, FlowFamily
 from .hook import DownscaleHook, fork_devices
 from .sd_scripts import HostError, TrainerContext
@@ -60,15 +59,6 @@ from .sd_scripts_run import DownscaleRun, routing
 logger = logging.getLogger(__name__)
 
 MAP_PACKAGES = ("scipy", "matplotlib", "tqdm")  # the estimator's bound, the heatmap, the progress bar (imported on use)
-
-
-def host_timestep(family: FlowFamily | DDPMFamily, noise_scheduler: Any, sigma: float) -> tuple[float, float]:
-    """The (timestep, σ) the host's sampler returns with σ: t = σ·T for the flow samplers (every
-    sd-scripts mode, SD3's and Lumina's too), the equal-SNR DDPM step for SD1.x/SDXL (whose schedule
-    ends below σ = 1: every σ above t = 999's, 0.936 for ``scaled_linear``, runs at t = 999)."""
-    if isinstance(family, DDPMFamily):
-        return float(sigma_to_ddpm_t(torch.tensor([sigma]), noise_scheduler.alphas_cumprod.cpu())[0]), sigma
-    return sigma * noise_scheduler.config.num_train_timesteps, sigma
 
 
 class MapHook(DownscaleHook):
@@ -93,9 +83,9 @@ class MapHook(DownscaleHook):
         sampler = self.family.bind(args, noise_scheduler, latents, accelerator.device, call[8])
         with torch.random.fork_rng(devices=fork_devices(accelerator.device)):
             sampler.first()  # records the host's output dtypes for the replay
-        sampler.drawn[sigma] = host_timestep(self.family, noise_scheduler, sigma)
+        keys = self.family.remember(sampler, noise_scheduler, torch.tensor([sigma], dtype=torch.float64))
         small = latents if target_hw is None else area_downsample(latents, target_hw)
-        with sampler.replay(torch.tensor([sigma], dtype=torch.float64)):
+        with sampler.replay(keys):
             return original(args, accelerator, noise_scheduler, small, *call[4:], is_train=True)
 
 

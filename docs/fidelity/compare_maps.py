@@ -1,0 +1,43 @@
+"""Paired difference of two lab maps measured with the same seeds, probes and bins (e.g. before/after a filter change).
+
+Per arm present in both and per bin: mean ± SE and the two-sided 95 % t interval of the per-image
+difference of debiased excess, NEW − OLD (negative: NEW is closer to native). The maps' native arms
+must agree (same probes and noise), which the script checks to 1e-5.
+
+    python docs/fidelity/compare_maps.py docs/fidelity/lab_n64_d8_n16_pool/map.json docs/fidelity/lab_n64_d8_n16/map.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+from downscale_plugin.mapping.estimator import Cell, _mean_se, excess, interval
+
+
+def load(path: str) -> tuple[dict, dict[tuple[int, int], Cell]]:
+    blob = json.load(open(path))
+    return blob, {(c["image"], c["bin"]): Cell(c["image"], c["bin"], c["half_cos"], c["cos"], c["norm"]) for c in blob["cells"]}
+
+
+def main(old_path: str, new_path: str) -> None:
+    (old_blob, old), (new_blob, new) = load(old_path), load(new_path)
+    if old.keys() != new.keys():
+        sys.exit("the maps have different (image, bin) cells: not paired")
+    drift = max(abs(new[k].cos["native_a|native_b"] - old[k].cos["native_a|native_b"]) for k in new)
+    if drift > 1e-5:
+        sys.exit(f"native floors differ by {drift:.2g}: different probes or noise, not paired")
+    edges = new_blob["bins"]["edges"]
+    arms = [a["name"] for a in new_blob["arms"] if a["kind"] != "native" and a["name"] in {b["name"] for b in old_blob["arms"]}]
+    print(f"NEW − OLD per image, mean ± SE [95% t interval]; native floors agree to {drift:.1g}")
+    for arm in arms:
+        print(arm)
+        for b in sorted({k[1] for k in new}):
+            mean, se, n, _ = _mean_se([excess(new[k], arm) - excess(old[k], arm) for k in new if k[1] == b])
+            lo, hi = interval(mean, se, n, 0.05)
+            label = f"({edges[b]:.3g}, {edges[b + 1]:.3g}]" if b < len(edges) - 1 else "σ = 1"
+            print(f"  {label:16s} {mean:+.3f} ± {se:.3f} [{lo:+.3f}, {hi:+.3f}]  n={n}")
+
+
+if __name__ == "__main__":
+    main(*sys.argv[1:3])

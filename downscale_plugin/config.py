@@ -33,6 +33,7 @@ SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at 
 POSITIONS = ("plain", "interpolate")  # position ids of a routed step (fasterdit.positions)
 MODES = ("train", "map")  # map: measure the gradient map inside the run and derive the windows (mapping/)
 AFTER_MAP = ("stop", "train")
+VAE_ARM_KEYS = ("map_reenc", "map_pixel")  # the map's VAE arms (mapping/arms.py: reenc, pixel_<r>); the host must drive its VAE
 DEFAULT_MAP_RATIOS = (0.875, 0.75, 0.5)
 SPAN_MODES = ("early", "late", "spread")
 ARCH_NAMES = ("flux", "chroma", "sd3", "lumina", "anima", "hunyuan_image", "sdxl", "sd1")
@@ -140,6 +141,8 @@ class DownscaleConfig:
     map_margin: float = 0.05
     map_simultaneous: bool = False
     map_out: str | None = None
+    map_reenc: bool = False
+    map_pixel: bool = False
     sources: tuple[str, ...] = field(default=(), compare=False)
 
     def with_routes(self, routes: Sequence[RouteRule]) -> DownscaleConfig:
@@ -173,6 +176,8 @@ _TOP_KEYS: dict[str, tuple[str, Any]] = {
     "map_margin": ("float", (0.0, 1.0)),
     "map_simultaneous": ("bool", None),
     "map_out": ("str", None),
+    "map_reenc": ("bool", None),
+    "map_pixel": ("bool", None),
 }
 
 
@@ -481,6 +486,7 @@ def _map_problems(merged: Mapping[str, Any], has_routes: bool, rejected: set[str
     if merged.get("map_draws", 0) % 2:
         problems.append(f"map_draws: {merged['map_draws']} must be even (the self-floor splits the D draws into two equal halves)")
     if merged.get("mode") != "map":
+        problems += [f'{key}: true is only allowed with mode = "map" (a VAE arm of the map)' for key in VAE_ARM_KEYS if merged.get(key)]
         return problems
     if not merged.get("map_out") and "map_out" not in rejected:
         problems.append('map_out: required when mode = "map" (the directory the map writes windows.toml, map.csv, map.json, map.png into)')

@@ -24,6 +24,7 @@ routes: the map's files must be written, ``stop`` must end the script with exit 
 
 from __future__ import annotations
 
+import csv
 import importlib
 import json
 import os
@@ -65,6 +66,8 @@ map_bins = "0,0.5,1"              # two bins and σ = 1
 map_draws = 4
 map_images = 2                    # the run's first two samples (batch size 1: the map runs before batch 2)
 map_margin = 0.99                 # a loose margin, so that a window is found and after_map = "train" routes
+map_reenc = true                  # the VAE arms, on the run's own AutoEncoder
+map_pixel = true
 """
 
 
@@ -316,6 +319,8 @@ def check_map(work: Path) -> dict:
 
     written = sorted(p.name for p in (work / "map").iterdir())
     assert written == ["map.csv", "map.json", "map.png", "windows.toml"], written
+    arms = {row["arm"] for row in csv.DictReader((work / "map" / "map.csv").open())}
+    assert {"latent_0.5", "pixel_0.5", "reenc"} <= arms, arms
     windows = toml.load(work / "map" / "windows.toml")
     print("windows:", windows, "->", load_config(plugin_toml=windows).routes)
     return windows

@@ -209,6 +209,8 @@ BAD = {
     "map_bins-not-covering": ({"table": {"mode": "map", "map_out": "m", "map_bins": "0,0.5,3"}}, ["map_bins", "cover (0, 1]"]),
     "map_bins-not-string": ({"table": {"mode": "map", "map_out": "m", "map_bins": [0, 0.5, 1]}}, ["map_bins", "must be a string"]),
     "map_out-empty": ({"table": {"mode": "map", "map_out": ""}}, ["map_out", "non-empty string"]),
+    "map_reenc-in-train-mode": (with_routes(ROUTE, map_reenc=True), ['map_reenc: true is only allowed with mode = "map"']),
+    "map_pixel-not-bool-network_args": (ds_args(mode="map", map_out="m", map_pixel="yes"), ["[network_args] map_pixel", "true, false"]),
     # plugin TOML
     "plugin-toml-names-another": (
         plugin_toml('downscale_config = "other.toml"\nroutes = [{route = "1024:768", sigma_min = 0.6}]'),
@@ -386,6 +388,9 @@ def test_map_mode_needs_no_routes_and_takes_its_keys_from_every_source():
     assert cfg.routes == () and (cfg.mode, cfg.after_map, cfg.map_out) == ("map", "train", "m")
     assert cfg.map_ratios == (0.75, 0.5) and cfg.map_draws == 4 and cfg.map_images == 3  # network_args > table > plugin TOML
     assert (cfg.map_margin, cfg.map_bins, cfg.map_simultaneous) == (0.1, "0,0.5,1", True)
+    assert (cfg.map_reenc, cfg.map_pixel) == (False, False)
+    vae_arms = load_config(split_network_args({"ds_map_pixel": "true"})[0], {"mode": "map", "map_out": "m", "map_reenc": True})
+    assert (vae_arms.map_reenc, vae_arms.map_pixel) == (True, True)
     defaults = load_config(table={"routes": [A]})
     assert (defaults.mode, defaults.after_map, defaults.map_ratios, defaults.map_draws, defaults.map_out) == (
         "train",

@@ -20,9 +20,12 @@ from safetensors import safe_open
 from test_hosts_doubles import model_sigma, small_input
 
 from downscale_plugin.config import load_config
+from downscale_plugin.grid import area_downsample
 from downscale_plugin.hosts import sd_scripts_run
 from downscale_plugin.hosts.sd_scripts import HostError
+from downscale_plugin.mapping.arms import REENC, pixel_arm
 from downscale_plugin.mapping.bins import parse_bins
+from downscale_plugin.mapping.sd_scripts_backend import HostVae, SdScriptsBackend
 
 RES = "128,128"  # latent 16x16 (4x4 for HunyuanImage): ratio 0.5 has a smaller grid on every architecture
 QUICK = {"map_ratios": [0.5], "map_bins": "0,0.5,1", "map_draws": 2, "map_images": 2}  # 2 images × 3 bins × 3 arms × 2 draws
@@ -77,6 +80,48 @@ def steps(monkeypatch):
 
 def map_config(tmp_path, **extra) -> dict:
     return {"mode": "map", "map_out": str(tmp_path / "map"), **QUICK, **extra}
+
+
+class TinyAE(torch.nn.Module):
+    """A stand-in for sd-scripts' ``flux_models.AutoEncoder`` (``encode``/``decode``, ``device``/``dtype``):
+    an orthonormal linear codec, pixels = pixel_shuffle(Pᵀz / 2) (inside [-1, 1] for the double's latents),
+    so encode(decode(z)) = z up to the small posterior draw its ``encode`` samples from torch's RNG, as the
+    real one does (``DiagonalGaussian``)."""
+
+    def __init__(self, channels: int, factor: int, noise: float = 1e-4):
+        super().__init__()
+        rows, _ = torch.linalg.qr(torch.randn(3 * factor * factor, channels, generator=torch.Generator().manual_seed(0)))
+        self.proj = torch.nn.Parameter(rows.T.contiguous(), requires_grad=False)  # channels × 3f², orthonormal rows
+        self.factor, self.noise = factor, noise
+
+    @property
+    def device(self) -> torch.device:
+        return self.proj.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.proj.dtype
+
+    def encode(self, x: torch.Tensor) -> torch.Tensor:
+        z = 2 * torch.einsum("ck,bkhw->bchw", self.proj, torch.nn.functional.pixel_unshuffle(x, self.factor))
+        return z + self.noise * torch.randn_like(z)
+
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pixel_shuffle(torch.einsum("ck,bchw->bkhw", self.proj, z / 2), self.factor)
+
+
+@pytest.fixture
+def with_vae(monkeypatch):
+    """The Flux double's ``load_target_model`` returns a :class:`TinyAE` as its VAE (the double has none)."""
+    cls = trainer_class("flux")
+    load = cls.load_target_model
+
+    def load_with_ae(self, args, weight_dtype, accelerator):
+        version, text_encoders, _, unet = load(self, args, weight_dtype, accelerator)
+        self.ae = TinyAE(self.latent_channels, self.vae_factor)
+        return version, text_encoders, self.ae, unet
+
+    monkeypatch.setattr(cls, "load_target_model", load_with_ae)
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -177,3 +222,54 @@ def test_a_run_that_ends_before_its_map_says_so(tmp_path, caplog):
     run = run_double("flux", *argv, downscale=map_config(tmp_path, map_images=8)).last_run
     assert len(run.losses) == 4 and not (tmp_path / "map").exists()
     assert "the run ended after 4 of the 8 probe samples the map needs; no map was made" in caplog.text
+
+
+def test_vae_arms_run_through_the_host_step_on_the_decoded_and_reencoded_latents(tmp_path, monkeypatch, with_vae):
+    """map_reenc / map_pixel on Flux: reenc = encode(decode(z)) at the native grid (≈ z with a near-identity
+    codec), pixel_0.5 = encode(area-downsample(decode(z)) to 8x8 latents × 8 px); both run as given."""
+    cls, seen = trainer_class("flux"), []
+    original = cls.get_noise_pred_and_target
+
+    def spy(self, args, accelerator, noise_scheduler, latents, *rest, **kwargs):
+        seen.append(latents.detach().clone())
+        return original(self, args, accelerator, noise_scheduler, latents, *rest, **kwargs)
+
+    monkeypatch.setattr(cls, "get_noise_pred_and_target", spy)
+    argv = ("--resolution", RES, "--train_batch_size", "1", "--max_train_steps", "4", "--seed", "3")
+    trainer = cls()
+    with pytest.raises(SystemExit):
+        run_double("flux", *argv, downscale=map_config(tmp_path, map_reenc=True, map_pixel=True), trainer=trainer)
+    z, ae = seen[0], trainer.ae
+    cell = seen[1:11]  # image 0, bin 0: native_a, native_b, latent_0.5, pixel_0.5, reenc; 2 draws each
+    assert all(torch.equal(x, z) for x in cell[:4]) and [tuple(x.shape) for x in cell[4:8]] == [(1, 4, 8, 8)] * 4
+    pixel = ae.encode(area_downsample(ae.decode(z).clamp(-1, 1), (64, 64)))
+    assert torch.allclose(cell[6], pixel, atol=1e-3) and torch.equal(cell[6], cell[7])  # one input per image, reused
+    assert not torch.allclose(cell[6], area_downsample(z, (8, 8)), atol=1e-2)  # pixels averaged, not latents
+    assert torch.allclose(cell[8], z, atol=1e-3) and not torch.equal(cell[8], z)  # the round trip ran: z up to the posterior draw
+    rows = (tmp_path / "map" / "map.csv").read_text()
+    assert "pixel_0.5" in rows and "reenc" in rows
+
+
+def test_vae_arms_on_an_architecture_without_a_driven_vae_fail_at_prepare_network(tmp_path, steps):
+    calls = steps("sd3")
+    with pytest.raises(HostError, match=r"map_pixel: the VAE arms are not supported for sd3 \(supported: flux, chroma, lumina\)"):
+        run_double("sd3", "--resolution", RES, downscale=map_config(tmp_path, map_pixel=True))
+    assert calls == [] and not (tmp_path / "map").exists()
+
+
+def test_vae_arms_without_a_vae_at_map_time_are_named(tmp_path):
+    with pytest.raises(HostError, match="map_reenc / map_pixel: the trainer passed no VAE to process_batch"):
+        run_double("flux", "--resolution", RES, "--max_train_steps", "4", downscale=map_config(tmp_path, map_reenc=True))
+
+
+def test_vae_arms_of_a_probe_of_images_start_from_its_encoded_latent():
+    """Without cached latents a probe holds images (in [-1, 1]): z is their (seeded) encode, the arms build on it."""
+    ae, images = TinyAE(4, 8), torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(1)) - 0.5
+    probe = {"images": images, "loss_weights": torch.ones(1)}
+    backend = SdScriptsBackend([probe], lambda p: None, None, [], "flux", [], {}, HostVae(ae, "cpu", []), seed=5)
+    z = ae.encode(images)
+    (grid, reenc), (_, pixel) = backend.arm_input(0, REENC), backend.arm_input(0, pixel_arm(0.5))
+    assert grid is None and torch.allclose(reenc, z, atol=1e-3)
+    assert torch.allclose(pixel, ae.encode(area_downsample(ae.decode(z), (64, 64))), atol=1e-3)
+    assert torch.equal(backend.arm_input(0, REENC)[1], reenc)  # seeded: the same arm input every time
+    assert "TinyAE" in backend.describe()["vae"]

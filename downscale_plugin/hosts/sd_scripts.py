@@ -73,6 +73,9 @@ SAMPLER_BY_ARCH = {
 # architecture the module holding the position ids ``positions = "interpolate"`` scales (Lumina and
 # Anima: the denoiser itself).
 LOSS_HANDLE = ("library.train_util", "conditional_loss")
+# Architectures whose VAE the map's VAE arms drive (mapping/sd_scripts_backend.HostVae): Flux's AutoEncoder
+# (Lumina loads the same class), whose encode gives the trainer's latent as is (shift_scale_latents is the identity).
+VAE_ARCHS = ("flux", "chroma", "lumina")
 POSITIONS_HANDLE_BY_ARCH = {
     "flux": ("library.flux_utils", "prepare_img_ids"),
     "chroma": ("library.flux_utils", "prepare_img_ids"),

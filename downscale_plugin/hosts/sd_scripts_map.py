@@ -5,7 +5,7 @@ Timeline (one process; DESIGN §5):
 1. ``start`` (``prepare_network``) builds a :class:`MapSession`. The router has no routes yet, so
    the first steps run native, bitwise the host's. What the run's buckets and length already show
    (a ratio with no smaller grid, too few batches for the probes, several processes, a missing
-   package) stops the run there, before any compute.
+   package, VAE arms on an architecture outside ``VAE_ARCHS``) stops the run there, before any compute.
 2. Every train ``process_batch`` call until the map has run hands its batch to the session, split
    into single-sample probes (copied before the host touches the batch); the step then runs.
 3. At the call that completes ``map_images`` probes, before that step runs: the map
@@ -45,15 +45,15 @@ import toml
 import torch
 
 from ..accounting import Accounting
-from ..config import load_config
+from ..config import VAE_ARM_KEYS, load_config
 from ..grid import area_downsample, get_arch, target_grid
 from ..mapping.arms import build_arms
 from ..mapping.bins import parse_bins
-from ..mapping.sd_scripts_backend import SdScriptsBackend, split_batch
+from ..mapping.sd_scripts_backend import HostVae, SdScriptsBackend, split_batch
 from ..plan import format_plan
 from .families import DDPMFamily, FlowFamily
 from .hook import DownscaleHook, fork_devices
-from .sd_scripts import HostError, TrainerContext
+from .sd_scripts import VAE_ARCHS, HostError, TrainerContext
 from .sd_scripts_run import DownscaleRun, routing
 
 logger = logging.getLogger(__name__)
@@ -122,7 +122,7 @@ class MapSession:
 
         cfg = run.cfg
         self.run, self.ctx, self.family, self.buckets = run, ctx, family, buckets
-        self.arms = build_arms(cfg.map_ratios)
+        self.arms = build_arms(cfg.map_ratios, pixel=cfg.map_pixel, reenc=cfg.map_reenc)
         self.bins = parse_bins(cfg.map_bins)
         self.settings = MapSettings(
             margin=cfg.map_margin, draws=cfg.map_draws, images=cfg.map_images, seed=run.seed, simultaneous=cfg.map_simultaneous
@@ -147,6 +147,12 @@ class MapSession:
         problems = []
         if run.world_size > 1:
             problems.append(f"{run.world_size} processes: the map runs on one process (launch with --num_processes 1)")
+        if run.arch not in VAE_ARCHS:
+            problems += [
+                f"{key}: the VAE arms are not supported for {run.arch} (supported: {', '.join(VAE_ARCHS)}); set {key} = false"
+                for key in VAE_ARM_KEYS
+                if getattr(cfg, key)
+            ]
         try:
             check_inputs(self.arms, self.bins, self.settings)
         except MapInputError as err:
@@ -255,6 +261,11 @@ class MapSession:
         rest = {k: v for k, v in arguments.items() if k not in ("self", "batch")}
         network = accelerator.unwrap_model(arguments["network"])
         params = [p for p in network.parameters() if p.requires_grad]
+        vae = None
+        if any(a.kind in ("reenc", "pixel") for a in self.arms):
+            if arguments["vae"] is None:
+                raise HostError(f'mode = "map": {" / ".join(VAE_ARM_KEYS)}: the trainer passed no VAE to process_batch')
+            vae = HostVae(arguments["vae"], accelerator.device, self.devices)
         backend = SdScriptsBackend(
             self.probes[: self.settings.images],
             lambda probe: host_step(trainer, probe, **rest),
@@ -263,6 +274,8 @@ class MapSession:
             self.run.arch,
             self.devices,
             self.describe(arguments),
+            vae,
+            self.run.seed,
         )
         t0 = time.perf_counter()
         with preserved_rng(self.devices):

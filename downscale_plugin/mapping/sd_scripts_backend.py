@@ -14,20 +14,25 @@ runs (after the native steps that collected the probes). On a fresh LoRA (``lora
 of the full weight gradient G, so the cosines still compare full-weight gradients, on fewer
 coordinates. ``describe`` reports how many adapter tensors are all zero.
 
-Only the native and plain latent-area arms run here: re-encode and pixel arms would need the VAE on
-every probe, and σ-policy or position variants are not router routes (the lab map has both).
+Arms: native, plain latent-area, and (``map_reenc``/``map_pixel``, for hosts whose VAE
+:class:`HostVae` drives: ``VAE_ARCHS`` in ``hosts/sd_scripts.py``) the VAE arms, built once per probe
+from its latent z (cached latents; a probe of images is encoded first): ``reenc`` = encode(decode(z)),
+``pixel_<r>`` = encode(area-downsample(decode(z)) to the target grid × the VAE factor). Their latents
+replace the probe's and the step runs them as given (no hook downsample). σ-policy or position
+variants are not router routes (the lab map has them).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
-from contextlib import AbstractContextManager
+import zlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 
-from ..grid import get_arch, target_grid
-from .arms import Arm
+from ..grid import area_downsample, get_arch, target_grid
+from .arms import PLAIN, Arm
 
 Forcing = Callable[[tuple[int, int] | None, float], AbstractContextManager]
 
@@ -69,12 +74,45 @@ def probe_grid(probe: Mapping[str, Any], vae_factor: int) -> tuple[int, int]:
     raise ValueError("probe: neither 'latents' nor 'images' in the batch")
 
 
+class HostVae:
+    """The run's VAE as the host's latent convention has it (Flux's ``AutoEncoder``: ``encode`` of pixels
+    in [-1, 1] gives the cached latent, as ``FluxLatentsCachingStrategy`` calls it; ``decode`` inverts it,
+    as the sample code calls it). It runs in the VAE's dtype, under no_grad, on ``device`` (a cached-latents
+    run parks it on the CPU: moved there and back, as the sample code does). ``encode`` samples the
+    posterior: it runs in a forked RNG seeded by ``key``, so an arm's latent is reproducible and the run's
+    RNG untouched. Decoded pixels are clamped to the [-1, 1] range the encoder is trained on."""
+
+    def __init__(self, vae: Any, device: torch.device | str, rng_devices: Sequence[int]):
+        self.vae, self.device, self.rng_devices = vae, torch.device(device), list(rng_devices)
+
+    @contextmanager
+    def _on_device(self) -> Iterator[torch.nn.Module]:
+        home = self.vae.device
+        self.vae.to(self.device)
+        try:
+            yield self.vae
+        finally:
+            self.vae.to(home)
+
+    @torch.no_grad()
+    def decode(self, z: torch.Tensor) -> torch.Tensor:
+        with self._on_device() as vae:
+            return vae.decode(z.to(self.device, vae.dtype)).clamp(-1, 1)
+
+    @torch.no_grad()
+    def encode(self, pixels: torch.Tensor, key: int) -> torch.Tensor:
+        with self._on_device() as vae, torch.random.fork_rng(devices=self.rng_devices):
+            torch.manual_seed(key)
+            return vae.encode(pixels.to(self.device, vae.dtype))
+
+
 class SdScriptsBackend:
     """:class:`~downscale_plugin.mapping.arms.MapBackend` over a running sd-scripts trainer.
 
     ``step(probe)`` runs the trainer's ``process_batch`` on one probe batch and returns its loss;
     ``forcing(target_hw, sigma)`` is the hook's scope that makes that step run at the arm's grid
-    (None: native) and σ. ``info`` is the run's provenance (model, adapter, data).
+    (None: native) and σ. ``info`` is the run's provenance (model, adapter, data). ``vae`` (None: the
+    VAE arms are unsupported) builds the VAE arms' latents, encoding with seeds drawn from ``seed``.
     """
 
     def __init__(
@@ -86,6 +124,8 @@ class SdScriptsBackend:
         arch: str,
         rng_devices: Sequence[int],
         info: Mapping[str, Any],
+        vae: HostVae | None = None,
+        seed: int = 0,
     ):
         self.probes = list(probes)
         self.step = step
@@ -94,6 +134,7 @@ class SdScriptsBackend:
         self.arch = get_arch(arch)
         self.rng_devices = tuple(rng_devices)
         self.info = dict(info)
+        self.vae, self.seed = vae, seed
         self.grids = [probe_grid(p, self.arch.vae_factor) for p in self.probes]
 
     def describe(self) -> dict[str, Any]:
@@ -108,6 +149,11 @@ class SdScriptsBackend:
         }
         if len(grids) == 1:  # one tier: the windows TOML can name it ("1024:768"); several: scale rules
             out["native_latent_hw"] = list(grids[0])
+        if self.vae is not None:
+            out["vae"] = (
+                f"the run's {type(self.vae.vae).__name__} ({self.vae.vae.dtype}); reenc: encode(decode(z)); "
+                "pixel_<r>: encode(area-downsampled decode(z)); decoded pixels clamped to [-1, 1], one seeded posterior draw per encode"
+            )
         return out
 
     def trainable_parameters(self) -> list[torch.nn.Parameter]:
@@ -119,17 +165,46 @@ class SdScriptsBackend:
     def unsupported(self, arm: Arm) -> str | None:
         if arm.kind == "native":
             return None
-        if not arm.routable:
-            return f"arm {arm.name}: the in-run map measures the router's plain latent-area routes only (the lab map has the others)"
+        if arm.kind in ("reenc", "pixel") and self.vae is None:
+            return f"arm {arm.name}: needs the run's VAE, which this backend was not given"
+        if arm.kind == "reenc":
+            return None
+        if arm.setting != PLAIN:
+            return f"arm {arm.name}: the in-run map measures the router's plain setting only (keep σ, plain positions; the lab map has the others)"
         bad = sorted({g for g in self.grids if target_grid(g, arm.ratio, self.arch) is None})
         if bad:
             return f"arm {arm.name}: no strictly smaller {self.arch.name} grid (multiple {self.arch.multiple}) for probe latents {bad}"
         return None
 
-    def arm_input(self, image: int, arm: Arm) -> tuple[int, int] | None:
-        """The grid the arm's step runs at (None: the probe's native grid)."""
-        return None if arm.kind == "native" else target_grid(self.grids[image], arm.ratio, self.arch)
+    def _latent(self, image: int) -> torch.Tensor:
+        """The probe's latent z: its cached latents, else its images encoded (the host's own encode)."""
+        probe = self.probes[image]
+        if isinstance(probe.get("latents"), torch.Tensor):
+            return probe["latents"]
+        return self.vae.encode(probe["images"], _key(self.seed, image, "latent"))
 
-    def loss(self, image: int, arm_input: tuple[int, int] | None, sigma: float) -> torch.Tensor:
-        with self.forcing(arm_input, sigma):
-            return self.step(dict(self.probes[image]))  # a fresh dict: some trainers rewrite batch keys in place
+    def arm_input(self, image: int, arm: Arm) -> tuple[tuple[int, int] | None, torch.Tensor | None]:
+        """(the grid the hook downsamples the step to, None: as given; the VAE arm's latents replacing the probe's, or None)."""
+        if arm.kind == "native":
+            return None, None
+        if arm.kind == "latent":
+            return target_grid(self.grids[image], arm.ratio, self.arch), None
+        z = self._latent(image)
+        pixels = self.vae.decode(z)
+        if arm.kind == "pixel":
+            h, w = target_grid(self.grids[image], arm.ratio, self.arch)
+            pixels = area_downsample(pixels, (h * self.arch.vae_factor, w * self.arch.vae_factor))
+        return None, self.vae.encode(pixels, _key(self.seed, image, arm.name)).to(z.device, z.dtype)
+
+    def loss(self, image: int, arm_input: tuple[tuple[int, int] | None, torch.Tensor | None], sigma: float) -> torch.Tensor:
+        target_hw, latents = arm_input
+        probe = dict(self.probes[image])  # a fresh dict: some trainers rewrite batch keys in place
+        if latents is not None:
+            probe["latents"] = latents
+        with self.forcing(target_hw, sigma):
+            return self.step(probe)
+
+
+def _key(seed: int, image: int, name: str) -> int:
+    """A VAE encode's seed: per run seed, probe and arm."""
+    return zlib.crc32(f"{seed}:{image}:{name}".encode())

@@ -224,6 +224,9 @@ def setup_sd3(work: Path, images: Path) -> tuple:
         context_embedder_in_features=4096, context_embedder_out_features=64, model_type="sd3m",
     )  # fmt: skip
     mmdit.initialize_weights()
+    for module in mmdit.modules():  # a trained MMDiT's adaLN and output layers are not the init's zeros (they leave a LoRA no gradient)
+        if isinstance(module, torch.nn.Linear) and not module.weight.any():
+            torch.nn.init.normal_(module.weight, std=0.02)
     checkpoint = work / "sd3_tiny.safetensors"
     save_file({f"model.diffusion_model.{k}": v.contiguous() for k, v in mmdit.state_dict().items()}, str(checkpoint))
     torch.manual_seed(1)

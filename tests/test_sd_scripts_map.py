@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from types import SimpleNamespace
 
 import pytest
 import toml
@@ -22,10 +23,10 @@ from test_hosts_doubles import model_sigma, small_input
 from downscale_plugin.config import load_config
 from downscale_plugin.grid import area_downsample
 from downscale_plugin.hosts import sd_scripts_run
-from downscale_plugin.hosts.sd_scripts import HostError
+from downscale_plugin.hosts.sd_scripts import VAE_BY_ARCH, HostError
 from downscale_plugin.mapping.arms import REENC, pixel_arm
 from downscale_plugin.mapping.bins import parse_bins
-from downscale_plugin.mapping.sd_scripts_backend import HostVae, SdScriptsBackend
+from downscale_plugin.mapping.sd_scripts_backend import VAE_CALLS, HostVae, SdScriptsBackend, VaeCalls
 
 RES = "128,128"  # latent 16x16 (4x4 for HunyuanImage): ratio 0.5 has a smaller grid on every architecture
 QUICK = {"map_ratios": [0.5], "map_bins": "0,0.5,1", "map_draws": 2, "map_images": 2}  # 2 images × 3 bins × 3 arms × 2 draws
@@ -84,9 +85,13 @@ def map_config(tmp_path, **extra) -> dict:
 
 class TinyAE(torch.nn.Module):
     """A stand-in for sd-scripts' ``flux_models.AutoEncoder`` (``encode``/``decode``, ``device``/``dtype``):
-    an orthonormal linear codec, pixels = pixel_shuffle(Pᵀz / 2) (inside [-1, 1] for the double's latents),
-    so encode(decode(z)) = z up to the small posterior draw its ``encode`` samples from torch's RNG, as the
-    real one does (``DiagonalGaussian``)."""
+    an orthonormal linear codec whose latent is (2·P·pixel_unshuffle(x) + noise) / ``scale`` + ``shift``, so
+    encode(decode(z)) = z up to the small posterior draw it samples from torch's RNG, as the real one does
+    (``DiagonalGaussian``). Subclasses give the latent another host's scale and shift and call convention.
+    ``cache`` / ``image`` are the host's own calls: its latent cache's encode, its sample code's decode of
+    that (unscaled) latent; the tests state them apart from the plugin's ``VAE_CALLS``."""
+
+    scale, shift = 1.0, 0.0
 
     def __init__(self, channels: int, factor: int, noise: float = 1e-4):
         super().__init__()
@@ -102,26 +107,77 @@ class TinyAE(torch.nn.Module):
     def dtype(self) -> torch.dtype:
         return self.proj.dtype
 
-    def encode(self, x: torch.Tensor) -> torch.Tensor:
+    def _encode(self, x: torch.Tensor) -> torch.Tensor:
         z = 2 * torch.einsum("ck,bkhw->bchw", self.proj, torch.nn.functional.pixel_unshuffle(x, self.factor))
-        return z + self.noise * torch.randn_like(z)
+        return (z + self.noise * torch.randn_like(z)) / self.scale + self.shift
 
-    def decode(self, z: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.pixel_shuffle(torch.einsum("ck,bchw->bkhw", self.proj, z / 2), self.factor)
+    def _decode(self, z: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.pixel_shuffle(torch.einsum("ck,bchw->bkhw", self.proj, (z - self.shift) * self.scale / 2), self.factor)
+
+    encode, decode = _encode, _decode
+    cache, image = _encode, _decode  # the latent caches' vae.encode(img); the sample codes' vae.decode of the raw latent
+
+
+class TinySDVAE(TinyAE):
+    """sd-scripts' ``sd3_models.SDVAE``: ``encode``/``decode`` on raw latents; the trainer's ``shift_scale_latents``
+    is ``process_in`` (the real factors); the sample code decodes ``process_out`` of the model's latent, the raw one."""
+
+    scale, shift = 1.5305, 0.0609
+
+    @staticmethod
+    def process_in(latent: torch.Tensor) -> torch.Tensor:
+        return (latent - TinySDVAE.shift) * TinySDVAE.scale
+
+    @staticmethod
+    def process_out(latent: torch.Tensor) -> torch.Tensor:
+        return latent / TinySDVAE.scale + TinySDVAE.shift
+
+
+class TinyKL(TinyAE):
+    """diffusers' ``AutoencoderKL`` (SD1/SDXL): ``encode(x).latent_dist.sample()``, ``decode(z).sample``, unscaled
+    latents (the trainer multiplies by ``config.scaling_factor``: ``vae_scale_factor``)."""
+
+    def __init__(self, channels: int, factor: int, scaling_factor: float, noise: float = 1e-4):
+        super().__init__(channels, factor, noise)
+        self.scale, self.config = scaling_factor, SimpleNamespace(scaling_factor=scaling_factor)
+
+    def encode(self, x: torch.Tensor, return_dict: bool = True) -> SimpleNamespace:
+        return SimpleNamespace(latent_dist=SimpleNamespace(sample=lambda generator=None: self._encode(x)))
+
+    def decode(self, z: torch.Tensor, return_dict: bool = True, generator=None) -> SimpleNamespace:
+        return SimpleNamespace(sample=self._decode(z))
+
+    def cache(self, x: torch.Tensor) -> torch.Tensor:  # SdSdxlLatentsCachingStrategy
+        return self.encode(x).latent_dist.sample()
+
+    def image(self, z: torch.Tensor) -> torch.Tensor:  # the SD/SDXL pipelines' vae.decode(latents / scaling_factor).sample
+        return self.decode(z).sample
+
+
+CODECS = {
+    "flux": lambda c, f: TinyAE(c, f),
+    "sd3": lambda c, f: TinySDVAE(c, f),
+    "sdxl": lambda c, f: TinyKL(c, f, 0.13025),
+    "sd1": lambda c, f: TinyKL(c, f, 0.18215),
+}
 
 
 @pytest.fixture
 def with_vae(monkeypatch):
-    """The Flux double's ``load_target_model`` returns a :class:`TinyAE` as its VAE (the double has none)."""
-    cls = trainer_class("flux")
-    load = cls.load_target_model
+    """``with_vae(arch)``: that double's ``load_target_model`` returns the arch's codec double as its VAE (the doubles have none)."""
 
-    def load_with_ae(self, args, weight_dtype, accelerator):
-        version, text_encoders, _, unet = load(self, args, weight_dtype, accelerator)
-        self.ae = TinyAE(self.latent_channels, self.vae_factor)
-        return version, text_encoders, self.ae, unet
+    def install(arch: str) -> None:
+        cls = trainer_class(arch)
+        load = cls.load_target_model
 
-    monkeypatch.setattr(cls, "load_target_model", load_with_ae)
+        def load_with_ae(self, args, weight_dtype, accelerator):
+            version, text_encoders, _, unet = load(self, args, weight_dtype, accelerator)
+            self.ae = CODECS[arch](self.latent_channels, self.vae_factor)
+            return version, text_encoders, self.ae, unet
+
+        monkeypatch.setattr(cls, "load_target_model", load_with_ae)
+
+    return install
 
 
 @pytest.mark.parametrize("arch", list(ARCHS))
@@ -224,25 +280,28 @@ def test_a_run_that_ends_before_its_map_says_so(tmp_path, caplog):
     assert "the run ended after 4 of the 8 probe samples the map needs; no map was made" in caplog.text
 
 
-def test_vae_arms_run_through_the_host_step_on_the_decoded_and_reencoded_latents(tmp_path, monkeypatch, with_vae):
-    """map_reenc / map_pixel on Flux: reenc = encode(decode(z)) at the native grid (≈ z with a near-identity
-    codec), pixel_0.5 = encode(area-downsample(decode(z)) to 8x8 latents × 8 px); both run as given."""
-    cls, seen = trainer_class("flux"), []
-    original = cls.get_noise_pred_and_target
+@pytest.mark.parametrize("arch", ["flux", "sd3", "sdxl"])
+def test_vae_arms_run_through_the_host_step_on_the_decoded_and_reencoded_latents(arch, tmp_path, monkeypatch, with_vae):
+    """map_reenc / map_pixel: reenc = encode(decode(z)) at the native grid (≈ z with a near-identity codec),
+    pixel_0.5 = encode(area-downsample(decode(z)) to 8x8 latents × 8 px); both replace the cached (raw) latent,
+    so the trainer's own shift_scale_latents follows, and run as given. Compared where the trainer uses them."""
+    cls, seen = trainer_class(arch), []
+    original = cls.shift_scale_latents
 
-    def spy(self, args, accelerator, noise_scheduler, latents, *rest, **kwargs):
-        seen.append(latents.detach().clone())
-        return original(self, args, accelerator, noise_scheduler, latents, *rest, **kwargs)
+    def spy(self, args, latents):
+        seen.append((latents.detach().clone(), original(self, args, latents)))
+        return seen[-1][1]
 
-    monkeypatch.setattr(cls, "get_noise_pred_and_target", spy)
+    monkeypatch.setattr(cls, "shift_scale_latents", spy)
+    with_vae(arch)
     argv = ("--resolution", RES, "--train_batch_size", "1", "--max_train_steps", "4", "--seed", "3")
     trainer = cls()
     with pytest.raises(SystemExit):
-        run_double("flux", *argv, downscale=map_config(tmp_path, map_reenc=True, map_pixel=True), trainer=trainer)
-    z, ae = seen[0], trainer.ae
-    cell = seen[1:11]  # image 0, bin 0: native_a, native_b, latent_0.5, pixel_0.5, reenc; 2 draws each
-    assert all(torch.equal(x, z) for x in cell[:4]) and [tuple(x.shape) for x in cell[4:8]] == [(1, 4, 8, 8)] * 4
-    pixel = ae.encode(area_downsample(ae.decode(z).clamp(-1, 1), (64, 64)))
+        run_double(arch, *argv, downscale=map_config(tmp_path, map_reenc=True, map_pixel=True), trainer=trainer)
+    (raw, z), ae = seen[0], trainer.ae
+    cell = [used for _, used in seen[1:11]]  # image 0, bin 0: native_a, native_b, latent_0.5, pixel_0.5, reenc; 2 draws each
+    assert all(torch.equal(x, z) for x in cell[:6]) and [tuple(x.shape) for x in cell[6:8]] == [(1, 4, 8, 8)] * 2  # latent_0.5: the hook's
+    pixel = trainer.shift_scale_latents(None, ae.cache(area_downsample(ae.image(raw).clamp(-1, 1), (64, 64))))
     assert torch.allclose(cell[6], pixel, atol=1e-3) and torch.equal(cell[6], cell[7])  # one input per image, reused
     assert not torch.allclose(cell[6], area_downsample(z, (8, 8)), atol=1e-2)  # pixels averaged, not latents
     assert torch.allclose(cell[8], z, atol=1e-3) and not torch.equal(cell[8], z)  # the round trip ran: z up to the posterior draw
@@ -250,10 +309,61 @@ def test_vae_arms_run_through_the_host_step_on_the_decoded_and_reencoded_latents
     assert "pixel_0.5" in rows and "reenc" in rows
 
 
+def vae_errors(arch: str) -> tuple[float, float]:
+    """On the arch's codec double, for a latent its host caches (``cache``): the largest pixel error of
+    HostVae's decode of it, and of its reenc arm's latent where the trainer uses it (after shift_scale_latents)."""
+    ae, shift_scale = CODECS[arch](4, 8), trainer_class(arch)().shift_scale_latents
+    x = ae.image(ae.cache(torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(1)) * 1.8 - 0.9))  # pixels the codec holds
+    cached = ae.cache(x)
+    assert x.abs().max() < 1  # inside HostVae's clamp
+    vae = HostVae(ae, VAE_BY_ARCH[arch], "cpu", [])
+    backend = SdScriptsBackend([{"latents": cached, "loss_weights": torch.ones(1)}], lambda p: None, None, [], arch, [], {}, vae, seed=5)
+    reenc = backend.arm_input(0, REENC)[1]
+    return float((vae.decode(cached) - x).abs().max()), float((shift_scale(None, reenc) - shift_scale(None, cached)).abs().max())
+
+
+@pytest.mark.parametrize("arch", list(CODECS))
+def test_the_vae_is_called_as_the_hosts_latent_cache_calls_it(arch):
+    """Flux/SD3 ``vae.encode(x)`` / ``vae.decode(z)`` (SD3's raw latent: process_in comes in the trainer),
+    SD1/SDXL ``encode(x).latent_dist.sample()`` / ``decode(z).sample`` (unscaled: × vae_scale_factor in the trainer):
+    the cached latent decodes to its pixels, and reenc of it is the same latent up to the VAE's error."""
+    pixel_error, latent_error = vae_errors(arch)
+    assert pixel_error < 1e-3 and latent_error < 1e-3
+
+
+@pytest.mark.parametrize(
+    ("arch", "wrong"),
+    [  # the sample code's model-space latents (scaled / process_in'd) taken for the cached ones; a scale applied twice
+        ("sdxl", VaeCalls(lambda v, x: v.encode(x).latent_dist.sample() * 0.13025, lambda v, z: v.decode(z / 0.13025).sample, "")),
+        ("sd1", VaeCalls(lambda v, x: v.encode(x).latent_dist.sample(), lambda v, z: v.decode(z / 0.18215).sample, "")),
+        ("sd3", VaeCalls(lambda v, x: v.process_in(v.encode(x)), lambda v, z: v.decode(v.process_out(z)), "")),
+    ],
+)
+def test_a_wrong_latent_scale_or_shift_is_caught(arch, wrong, monkeypatch):
+    monkeypatch.setitem(VAE_CALLS, VAE_BY_ARCH[arch], wrong)
+    assert vae_errors(arch)[0] > 1e-2
+
+
+def test_the_sd1_sdxl_calls_drive_diffusers_own_autoencoderkl():
+    """The class sd-scripts loads for SD1/SDXL (tiny, random): HostVae's encode is its cache's seeded
+    ``encode(x).latent_dist.sample()``, bit for bit, and its decode ``decode(z).sample`` (clamped)."""
+    diffusers = pytest.importorskip("diffusers")
+    blocks = {"down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4}
+    vae = diffusers.AutoencoderKL(**blocks, block_out_channels=(8,) * 4, layers_per_block=1, norm_num_groups=8, latent_channels=4).eval()
+    x = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
+    host = HostVae(vae, VAE_BY_ARCH["sdxl"], "cpu", [])
+    z = host.encode(x, 7)
+    torch.manual_seed(7)
+    with torch.no_grad():
+        assert z.shape == (1, 4, 4, 4) and torch.equal(z, vae.encode(x).latent_dist.sample())
+        assert torch.equal(host.decode(z), vae.decode(z).sample.clamp(-1, 1))
+
+
 def test_vae_arms_on_an_architecture_without_a_driven_vae_fail_at_prepare_network(tmp_path, steps):
-    calls = steps("sd3")
-    with pytest.raises(HostError, match=r"map_pixel: the VAE arms are not supported for sd3 \(supported: flux, chroma, lumina\)"):
-        run_double("sd3", "--resolution", RES, downscale=map_config(tmp_path, map_pixel=True))
+    calls = steps("anima")
+    supported = "flux, chroma, lumina, sd3, sdxl, sd1"
+    with pytest.raises(HostError, match=rf"map_pixel: the VAE arms are not supported for anima \(supported: {supported}\)"):
+        run_double("anima", "--resolution", RES, downscale=map_config(tmp_path, map_pixel=True))
     assert calls == [] and not (tmp_path / "map").exists()
 
 
@@ -266,7 +376,7 @@ def test_vae_arms_of_a_probe_of_images_start_from_its_encoded_latent():
     """Without cached latents a probe holds images (in [-1, 1]): z is their (seeded) encode, the arms build on it."""
     ae, images = TinyAE(4, 8), torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(1)) - 0.5
     probe = {"images": images, "loss_weights": torch.ones(1)}
-    backend = SdScriptsBackend([probe], lambda p: None, None, [], "flux", [], {}, HostVae(ae, "cpu", []), seed=5)
+    backend = SdScriptsBackend([probe], lambda p: None, None, [], "flux", [], {}, HostVae(ae, "direct", "cpu", []), seed=5)
     z = ae.encode(images)
     (grid, reenc), (_, pixel) = backend.arm_input(0, REENC), backend.arm_input(0, pixel_arm(0.5))
     assert grid is None and torch.allclose(reenc, z, atol=1e-3)

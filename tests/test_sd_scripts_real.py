@@ -375,11 +375,13 @@ def test_real_training_script_end_to_end(arch, tmp_path):
 
 
 @pytest.mark.parametrize("after_map", ["stop", "train"])
-def test_map_mode_in_the_real_flux_training_script(after_map, tmp_path):
-    """``mode = "map"`` on the tiny Flux run's own model, LoRA and images: the map's files, then the
+@pytest.mark.parametrize("arch", ["flux", "sd3"])
+def test_map_mode_in_the_real_training_script(arch, after_map, tmp_path):
+    """``mode = "map"`` on the tiny Flux / SD3 run's own model, LoRA and images: the map's files, then the
     script ends (exit 0, no weights) or trains with the derived windows (the e2e script checks both).
-    map_reenc / map_pixel run the VAE arms on the run's own (tiny, real) AutoEncoder."""
-    log = end_to_end("flux", tmp_path, f"map-{after_map}")
+    map_reenc / map_pixel run the VAE arms on the run's own real VAE class (Flux's tiny AutoEncoder,
+    SD3's full-size SDVAE with random weights)."""
+    log = end_to_end(arch, tmp_path, f"map-{after_map}")
     assert "gradient map before train batch 2" in log and (tmp_path / "map" / "windows.toml").is_file()
     rows = list(csv.DictReader((tmp_path / "map" / "map.csv").open()))
     assert sorted({r["arm"] for r in rows}) == ["latent_0.5", "pixel_0.5", "reenc"] and all(math.isfinite(float(r["excess"])) for r in rows)

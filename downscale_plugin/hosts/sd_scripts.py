@@ -73,9 +73,13 @@ SAMPLER_BY_ARCH = {
 # architecture the module holding the position ids ``positions = "interpolate"`` scales (Lumina and
 # Anima: the denoiser itself).
 LOSS_HANDLE = ("library.train_util", "conditional_loss")
-# Architectures whose VAE the map's VAE arms drive (mapping/sd_scripts_backend.HostVae): Flux's AutoEncoder
-# (Lumina loads the same class), whose encode gives the trainer's latent as is (shift_scale_latents is the identity).
-VAE_ARCHS = ("flux", "chroma", "lumina")
+# Architecture → how its latent cache calls the VAE (mapping/sd_scripts_backend.VAE_CALLS), for the map's VAE arms:
+# "direct" ``vae.encode(x)`` / ``vae.decode(z)``: Flux's AutoEncoder (Lumina loads it too; it shifts and scales
+# itself), SD3's SDVAE (raw latents: the trainer's shift_scale_latents applies SDVAE.process_in after loading);
+# "diffusers" ``vae.encode(x).latent_dist.sample()`` / ``vae.decode(z).sample``: SD1/SDXL's AutoencoderKL (unscaled
+# latents: the trainer multiplies by vae_scale_factor after loading). Both cache the latent before that shift/scale.
+VAE_BY_ARCH = {"flux": "direct", "chroma": "direct", "lumina": "direct", "sd3": "direct", "sdxl": "diffusers", "sd1": "diffusers"}
+VAE_ARCHS = tuple(VAE_BY_ARCH)
 POSITIONS_HANDLE_BY_ARCH = {
     "flux": ("library.flux_utils", "prepare_img_ids"),
     "chroma": ("library.flux_utils", "prepare_img_ids"),

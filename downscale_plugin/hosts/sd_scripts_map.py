@@ -53,7 +53,7 @@ from ..mapping.sd_scripts_backend import HostVae, SdScriptsBackend, split_batch
 from ..plan import format_plan
 from .families import DDPMFamily, FlowFamily
 from .hook import DownscaleHook, fork_devices
-from .sd_scripts import VAE_ARCHS, HostError, TrainerContext
+from .sd_scripts import VAE_ARCHS, VAE_BY_ARCH, HostError, TrainerContext
 from .sd_scripts_run import DownscaleRun, routing
 
 logger = logging.getLogger(__name__)
@@ -265,7 +265,7 @@ class MapSession:
         if any(a.kind in ("reenc", "pixel") for a in self.arms):
             if arguments["vae"] is None:
                 raise HostError(f'mode = "map": {" / ".join(VAE_ARM_KEYS)}: the trainer passed no VAE to process_batch')
-            vae = HostVae(arguments["vae"], accelerator.device, self.devices)
+            vae = HostVae(arguments["vae"], VAE_BY_ARCH[self.run.arch], accelerator.device, self.devices)
         backend = SdScriptsBackend(
             self.probes[: self.settings.images],
             lambda probe: host_step(trainer, probe, **rest),

@@ -15,8 +15,9 @@ of the full weight gradient G, so the cosines still compare full-weight gradient
 coordinates. ``describe`` reports how many adapter tensors are all zero.
 
 Arms: native, plain latent-area, and (``map_reenc``/``map_pixel``, for hosts whose VAE
-:class:`HostVae` drives: ``VAE_ARCHS`` in ``hosts/sd_scripts.py``) the VAE arms, built once per probe
-from its latent z (cached latents; a probe of images is encoded first): ``reenc`` = encode(decode(z)),
+:class:`HostVae` drives: ``VAE_BY_ARCH`` in ``hosts/sd_scripts.py``) the VAE arms, built once per probe
+from its latent z (cached latents, before the trainer's shift/scale; a probe of images is encoded first),
+with the VAE called as the host's latent cache calls it: ``reenc`` = encode(decode(z)),
 ``pixel_<r>`` = encode(area-downsample(decode(z)) to the target grid × the VAE factor). Their latents
 replace the probe's and the step runs them as given (no hook downsample). σ-policy or position
 variants are not router routes (the lab map has them).
@@ -27,6 +28,7 @@ from __future__ import annotations
 import zlib
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -74,16 +76,42 @@ def probe_grid(probe: Mapping[str, Any], vae_factor: int) -> tuple[int, int]:
     raise ValueError("probe: neither 'latents' nor 'images' in the batch")
 
 
-class HostVae:
-    """The run's VAE as the host's latent convention has it (Flux's ``AutoEncoder``: ``encode`` of pixels
-    in [-1, 1] gives the cached latent, as ``FluxLatentsCachingStrategy`` calls it; ``decode`` inverts it,
-    as the sample code calls it). It runs in the VAE's dtype, under no_grad, on ``device`` (a cached-latents
-    run parks it on the CPU: moved there and back, as the sample code does). ``encode`` samples the
-    posterior: it runs in a forked RNG seeded by ``key``, so an arm's latent is reproducible and the run's
-    RNG untouched. Decoded pixels are clamped to the [-1, 1] range the encoder is trained on."""
+@dataclass(frozen=True)
+class VaeCalls:
+    """How a host's latent cache calls its VAE: ``encode(vae, pixels in [-1, 1])`` is the latent it caches,
+    before the trainer's ``shift_scale_latents`` (which ``process_batch`` applies to an arm's latent as to
+    the cached one); ``decode(vae, z)`` inverts it (the sample code's decode, after its unscaling)."""
 
-    def __init__(self, vae: Any, device: torch.device | str, rng_devices: Sequence[int]):
-        self.vae, self.device, self.rng_devices = vae, torch.device(device), list(rng_devices)
+    encode: Callable[[Any, torch.Tensor], torch.Tensor]
+    decode: Callable[[Any, torch.Tensor], torch.Tensor]
+    text: str
+
+
+# Convention → calls (which architecture has which: ``VAE_BY_ARCH`` in ``hosts/sd_scripts.py``).
+VAE_CALLS = {
+    # Flux's AutoEncoder (FluxLatentsCachingStrategy), SD3's SDVAE (Sd3LatentsCachingStrategy; raw, process_in comes later)
+    "direct": VaeCalls(lambda vae, x: vae.encode(x), lambda vae, z: vae.decode(z), "vae.encode(x) / vae.decode(z)"),
+    # diffusers' AutoencoderKL (SdSdxlLatentsCachingStrategy; unscaled, × vae_scale_factor comes later)
+    "diffusers": VaeCalls(
+        lambda vae, x: vae.encode(x).latent_dist.sample(),
+        lambda vae, z: vae.decode(z).sample,
+        "vae.encode(x).latent_dist.sample() / vae.decode(z).sample",
+    ),
+}
+
+
+class HostVae:
+    """The run's VAE as the host's latent cache calls it (``calls``: a :data:`VAE_CALLS` key), so an arm's
+    latent stands where the cached latent does and the trainer's own shift/scale follows. It runs in the
+    VAE's dtype, under no_grad, on ``device`` (a cached-latents run parks it on the CPU: moved there and
+    back, as the sample code does). ``encode`` samples the posterior: it runs in a forked RNG seeded by
+    ``key``, so an arm's latent is reproducible and the run's RNG untouched. Decoded pixels are clamped to
+    the [-1, 1] range the encoder is trained on."""
+
+    def __init__(self, vae: Any, calls: str, device: torch.device | str, rng_devices: Sequence[int]):
+        if calls not in VAE_CALLS:
+            raise ValueError(f"HostVae: calls {calls!r} unknown; allowed: {', '.join(VAE_CALLS)}")
+        self.vae, self.calls, self.device, self.rng_devices = vae, VAE_CALLS[calls], torch.device(device), list(rng_devices)
 
     @contextmanager
     def _on_device(self) -> Iterator[torch.nn.Module]:
@@ -97,13 +125,13 @@ class HostVae:
     @torch.no_grad()
     def decode(self, z: torch.Tensor) -> torch.Tensor:
         with self._on_device() as vae:
-            return vae.decode(z.to(self.device, vae.dtype)).clamp(-1, 1)
+            return self.calls.decode(vae, z.to(self.device, vae.dtype)).clamp(-1, 1)
 
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor, key: int) -> torch.Tensor:
         with self._on_device() as vae, torch.random.fork_rng(devices=self.rng_devices):
             torch.manual_seed(key)
-            return vae.encode(pixels.to(self.device, vae.dtype))
+            return self.calls.encode(vae, pixels.to(self.device, vae.dtype))
 
 
 class SdScriptsBackend:
@@ -151,7 +179,8 @@ class SdScriptsBackend:
             out["native_latent_hw"] = list(grids[0])
         if self.vae is not None:
             out["vae"] = (
-                f"the run's {type(self.vae.vae).__name__} ({self.vae.vae.dtype}); reenc: encode(decode(z)); "
+                f"the run's {type(self.vae.vae).__name__} ({self.vae.vae.dtype}), called as its latent cache does "
+                f"({self.vae.calls.text}); reenc: encode(decode(z)); "
                 "pixel_<r>: encode(area-downsampled decode(z)); decoded pixels clamped to [-1, 1], one seeded posterior draw per encode"
             )
         return out

@@ -30,19 +30,7 @@ NARROW = {"routes": [{"scale": 0.5, "sigma_min": 0.5, "sigma_max": 0.8}]}  # som
 RES = "128,128"  # latent 16x16 (4x4 for HunyuanImage's 32x VAE); half size is valid on every architecture
 
 
-@pytest.fixture(scope="module", autouse=True)
-def doubles():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # tiny tensors: threads only add contention
-    with host_modules():
-        yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def quick_plan(monkeypatch):
-    """The start banner's Monte-Carlo plan is not under test here; keep it cheap."""
-    monkeypatch.setattr(sd_scripts_run, "PLAN_MC_SAMPLES", 256)
+pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")
 
 
 @pytest.fixture

@@ -16,32 +16,21 @@ from pathlib import Path
 
 import pytest
 import torch
-from host_modules import ARCHS, host_modules, run_double, trainer_class
+from host_modules import ARCHS, run_double, trainer_class
 from safetensors import safe_open
 from safetensors.torch import load_file
 
 import downscale_plugin
 from downscale_plugin.config import ConfigError, config_from_training_toml, load_config, read_plugin_toml
 from downscale_plugin.grid import get_arch
-from downscale_plugin.hosts import sd_scripts, sd_scripts_run
+from downscale_plugin.hosts import sd_scripts
 from downscale_plugin.hosts.sd_scripts import HostError
 
 ALL_ROUTED = {"routes": [{"scale": 0.5, "sigma_min": 0.0}]}
 RES = ("--resolution", "128,128")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def doubles():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with host_modules():
-        yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def quick_plan(monkeypatch):
-    monkeypatch.setattr(sd_scripts_run, "PLAN_MC_SAMPLES", 256)
+pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")
 
 
 def _inner(name: str):

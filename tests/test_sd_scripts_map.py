@@ -16,7 +16,7 @@ from types import SimpleNamespace
 import pytest
 import toml
 import torch
-from host_modules import ARCHS, host_modules, run_double, trainer_class
+from host_modules import ARCHS, run_double, trainer_class
 from safetensors import safe_open
 from test_hosts_doubles import model_sigma, small_input
 
@@ -32,18 +32,7 @@ RES = "128,128"  # latent 16x16 (4x4 for HunyuanImage): ratio 0.5 has a smaller 
 QUICK = {"map_ratios": [0.5], "map_bins": "0,0.5,1", "map_draws": 2, "map_images": 2}  # 2 images × 3 bins × 3 arms × 2 draws
 
 
-@pytest.fixture(scope="module", autouse=True)
-def doubles():
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    with host_modules():
-        yield
-    torch.set_num_threads(threads)
-
-
-@pytest.fixture(autouse=True)
-def quick_plan(monkeypatch):
-    monkeypatch.setattr(sd_scripts_run, "PLAN_MC_SAMPLES", 256)
+pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")
 
 
 @pytest.fixture

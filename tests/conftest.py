@@ -1,0 +1,29 @@
+"""Fixtures shared by the test modules that run the plugin inside the sd-scripts host doubles.
+
+Not autouse: a module opts in with ``pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from host_modules import host_modules
+
+from downscale_plugin.hosts import sd_scripts_run
+
+
+@pytest.fixture(scope="module")
+def host_doubles():
+    """The doubles' ``library``/``networks``/trainer modules importable for the whole test module, one torch thread
+    (tiny tensors: threads only add contention)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    with host_modules():
+        yield
+    torch.set_num_threads(threads)
+
+
+@pytest.fixture
+def cheap_plan(monkeypatch):
+    """The start banner's Monte-Carlo plan is not under test here; keep it cheap."""
+    monkeypatch.setattr(sd_scripts_run, "PLAN_MC_SAMPLES", 256)

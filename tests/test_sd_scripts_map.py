@@ -372,3 +372,9 @@ def test_vae_arms_of_a_probe_of_images_start_from_its_encoded_latent():
     assert torch.allclose(pixel, ae.encode(area_downsample(ae.decode(z), (64, 64))), atol=1e-3)
     assert torch.equal(backend.arm_input(0, REENC)[1], reenc)  # seeded: the same arm input every time
     assert "TinyAE" in backend.describe()["vae"]
+
+
+def test_every_vae_arch_names_a_known_calling_convention():
+    assert set(VAE_BY_ARCH.values()) <= set(VAE_CALLS)
+    with pytest.raises(ValueError, match="allowed: direct, diffusers"):
+        HostVae(torch.nn.Identity(), "lanczos", "cpu", [])

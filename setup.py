@@ -1,8 +1,12 @@
+import re
+
 from setuptools import find_packages, setup
+
+VERSION = re.search(r'^__version__ = "([^"]+)"', open("downscale_plugin/__init__.py", encoding="utf-8").read(), re.M).group(1)
 
 setup(
     name="downscale-plugin",
-    version="0.1.0",
+    version=VERSION,
     description="sd-scripts network module that trains diffusion LoRAs on area-downsampled latents inside validated σ windows",
     long_description=open("README.md", encoding="utf-8").read(),
     long_description_content_type="text/markdown",

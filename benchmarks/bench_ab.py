@@ -42,7 +42,7 @@ from bench_speed import SAMPLERS
 
 from downscale_plugin.config import ConfigError, DownscaleConfig, load_config, read_plugin_toml
 from downscale_plugin.grid import eligibility_table
-from downscale_plugin.hosts.lab import LabPlugin
+from downscale_plugin.hosts.lab.adapter import LabPlugin
 from downscale_plugin.lab.data import LabData, LabDataConfig
 from downscale_plugin.lab.model import LabModelConfig
 from downscale_plugin.lab.pretrain import load_or_pretrain

@@ -16,11 +16,12 @@ import time
 
 import torch
 
-from downscale_plugin.grid import get_arch, target_grid, tokens
+from downscale_plugin.arch import get_arch
+from downscale_plugin.bins import DEFAULT_BINS, parse_bins
+from downscale_plugin.grid import target_grid, tokens
+from downscale_plugin.hosts.lab.map_backend import LabBackend, LabMapConfig, describe_config
 from downscale_plugin.mapping.arms import build_arms
-from downscale_plugin.mapping.bins import DEFAULT_BINS, parse_bins
 from downscale_plugin.mapping.estimator import MapSettings, run_map
-from downscale_plugin.mapping.lab_backend import LabBackend, LabMapConfig, describe_config
 from downscale_plugin.mapping.report import console_table, write_outputs
 
 RATIOS = (0.875, 0.75, 0.5)

@@ -21,9 +21,9 @@ import time
 
 import torch
 
-from downscale_plugin.accounting import FlopModel
 from downscale_plugin.config import load_config
-from downscale_plugin.hosts.lab import LabPlugin
+from downscale_plugin.flops import FlopModel
+from downscale_plugin.hosts.lab.adapter import LabPlugin
 from downscale_plugin.lab.data import LabData, LabDataConfig
 from downscale_plugin.lab.model import LabModelConfig, flop_shape
 from downscale_plugin.lab.pretrain import load_or_pretrain
@@ -129,8 +129,8 @@ def hook_cost(batch_size: int, data: LabData, steps: int = 500, contiguous: bool
     a non-contiguous tensor, and the dry run must draw the host's noise in the host's layout.
     ``contiguous=True`` prices it for contiguous latents (sd-scripts stacks its cached latents).
     """
-    from downscale_plugin.hosts.families import FlowFamily
-    from downscale_plugin.hosts.lab import LAB_ARCH
+    from downscale_plugin.hosts.lab.adapter import LAB_ARCH
+    from downscale_plugin.hosts.sd_scripts.families import FlowFamily
     from downscale_plugin.lab import flux_train_utils
     from downscale_plugin.lab.trainer import lab_args, make_noise_scheduler
     from downscale_plugin.router import Router

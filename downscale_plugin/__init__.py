@@ -1,26 +1,33 @@
-"""downscale-plugin: train diffusion LoRAs on area-downsampled latents inside validated σ windows."""
+"""downscale-plugin: train diffusion LoRAs on area-downsampled latents inside validated σ windows.
 
-from .config import ConfigError, DownscaleConfig, RouteRule, load_config
-from .router import RouteDecision, Router
+Every name is imported on first use, so importing the package (a trainer importing its
+``--network_module``, the startup check) loads neither torch nor a host module until it is needed.
+"""
 
-__all__ = [
-    "ConfigError",
-    "DownscaleConfig",
-    "RouteDecision",
-    "RouteRule",
-    "Router",
-    "create_network",
-    "create_network_from_weights",
-    "load_config",
-]
+from __future__ import annotations
 
-_NETWORK_MODULE = ("create_network", "create_network_from_weights")
+import importlib
+
+__version__ = "0.2.0"
+
+# Public name → the module that defines it.
+_EXPORTS = {
+    "ConfigError": ".config",
+    "DownscaleConfig": ".config",
+    "RouteRule": ".config",
+    "load_config": ".config",
+    "RouteDecision": ".router",
+    "Router": ".router",
+    # sd-scripts' --network_module entry points
+    "create_network": ".hosts.sd_scripts",
+    "create_network_from_weights": ".hosts.sd_scripts",
+}
+
+__all__ = sorted(_EXPORTS)
 
 
 def __getattr__(name: str):
-    """sd-scripts' ``--network_module downscale_plugin`` entry points, imported on first use."""
-    if name in _NETWORK_MODULE:
-        from .hosts import sd_scripts
-
-        return getattr(sd_scripts, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(module, __name__), name)

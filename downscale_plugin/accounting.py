@@ -18,92 +18,12 @@ from typing import Any
 
 import torch
 
+from .arch import ArchSpec, get_arch
 from .config import RouteRule
-from .grid import ArchSpec, eligibility_table, get_arch, tokens
+from .flops import FlopModel
+from .grid import eligibility_table, tokens
 
 FALLBACK_REASONS = ("exhausted", "other")
-
-
-@dataclass(frozen=True)
-class FlopModel:
-    """Forward cost of one sample: a·N + b·N² in N = image + text tokens.
-
-    a = 2·depth·hidden²·(4 + 2·mlp_ratio): q, k, v, o projections and the MLP, 2 flops per MAC;
-    b = 4·depth·hidden: QKᵀ and AV. Norms, modulation and embedders are per-sample or O(N·hidden)
-    and left out. Backward scales both terms alike, so savings (ratios) hold for the whole step.
-    ``attention=False`` keeps only the linear term: the UNet presets, which count latent pixels.
-    """
-
-    hidden: int
-    depth: int
-    mlp_ratio: float = 4.0
-    text_tokens: int = 0
-    attention: bool = True
-
-    @property
-    def a(self) -> float:
-        return 2.0 * self.depth * self.hidden**2 * (4.0 + 2.0 * self.mlp_ratio)
-
-    @property
-    def b(self) -> float:
-        return 4.0 * self.depth * self.hidden if self.attention else 0.0
-
-    def flops(self, n_image_tokens: float) -> float:
-        n = n_image_tokens + self.text_tokens
-        return self.a * n + self.b * n * n
-
-
-# Shapes from the public model configs, as sd-scripts builds them.
-# - flux/chroma: FLUX.1 hidden 3072, 19 double + 38 single blocks (flux_models.py configs). A double
-#   block runs each token through its own stream's weights once, so per token it costs one block:
-#   depth 57. T5 context 512 tokens (sd-scripts' t5xxl_max_token_length for dev and Chroma).
-# - sd3: SD3/3.5-Medium MMDiT depth 24, hidden 64·24 = 1536; sd3_large: SD3.5-Large depth 38,
-#   hidden 2432. Context = 77 CLIP-L/G + 256 T5 tokens. MMDiT-X's extra image self-attention in
-#   the first 13 Medium blocks is left out.
-# - lumina: Lumina-Image-2.0 NextDiT 2B, hidden 2304, 26 layers, SwiGLU 6144 (= mlp_ratio 4 in
-#   MACs); Gemma-2 caption 256 tokens in the same sequence. GQA (8 of 24 kv heads) and the 2+2
-#   refiner layers are left out (they roughly cancel).
-# - anima: Cosmos-Predict2 2B MiniTrainDIT, model_channels 2048, 28 blocks, mlp_ratio 4, text by
-#   cross-attention (no text in the self-attention sequence); mlp_ratio 5 absorbs the
-#   cross-attention's q and o projections.
-# - hunyuan_image: HunyuanImage-2.1, hidden 3584, 20 double + 40 single blocks, mlp_ratio 4
-#   (hunyuan_image_models.py); text is trimmed to the batch's valid Qwen2.5-VL + ByT5 tokens, 256
-#   is a typical caption.
-# - sdxl/sd1: UNets, modelled linear in latent pixels (conv and attention cost there is dominated
-#   by per-pixel work at 1/1, 1/2, 1/4 resolution). The scale is nominal (one 320-wide layer per
-#   latent pixel): only ratios are meaningful, and a linear model's saving is the pixel saving.
-FLOP_PRESETS: dict[str, FlopModel] = {
-    "flux": FlopModel(3072, 19 + 38, text_tokens=512),
-    "chroma": FlopModel(3072, 19 + 38, text_tokens=512),
-    "sd3": FlopModel(1536, 24, text_tokens=77 + 256),
-    "sd3_large": FlopModel(2432, 38, text_tokens=77 + 256),
-    "lumina": FlopModel(2304, 26, text_tokens=256),
-    "anima": FlopModel(2048, 28, mlp_ratio=5.0),
-    "hunyuan_image": FlopModel(3584, 20 + 40, text_tokens=256),
-    "sdxl": FlopModel(320, 1, attention=False),
-    "sd1": FlopModel(320, 1, attention=False),
-}
-
-
-def predicted_saving(hist: Mapping[int, float], native: Mapping[int, float], flop_model: FlopModel | None = None) -> float:
-    """1 − Σ hist·F(N_run) / Σ native·F(N_native) over token histograms (tokens → samples or weight).
-
-    Without a model F(N) = N: the token saving.
-    """
-    cost = flop_model.flops if flop_model is not None else float
-    spent = sum(w * cost(n) for n, w in hist.items())
-    full = sum(w * cost(n) for n, w in native.items())
-    return 1.0 - spent / full if full > 0 else 0.0
-
-
-def route_histogram(probs: Mapping[int, float], route_tokens: Mapping[int, int], weight: float = 1.0) -> dict[int, float]:
-    """Per-route probabilities (rule index, −1 native) × the tokens each route runs → a token histogram."""
-    hist: dict[int, float] = {}
-    for index, p in probs.items():
-        if p > 0:
-            n = route_tokens[index]
-            hist[n] = hist.get(n, 0.0) + weight * p
-    return hist
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,8 @@ from typing import Any
 
 import toml
 
-from .mapping.bins import DEFAULT_BINS, parse_bins
+from .arch import ARCH_NAMES
+from .bins import DEFAULT_BINS, parse_bins
 
 GATES = ("coupled", "strict")
 SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at (fasterdit.policies)
@@ -36,7 +37,6 @@ AFTER_MAP = ("stop", "train")
 VAE_ARM_KEYS = ("map_reenc", "map_pixel")  # the map's VAE arms (mapping/arms.py: reenc, pixel_<r>); the host must drive its VAE
 DEFAULT_MAP_RATIOS = (0.875, 0.75, 0.5)
 SPAN_MODES = ("early", "late", "spread")
-ARCH_NAMES = ("flux", "chroma", "sd3", "lumina", "anima", "hunyuan_image", "sdxl", "sd1")
 NETWORK_ARGS_PREFIX = "ds_"
 UNPREFIXED_NETWORK_ARGS = ("inner", "downscale_config")
 ROUTE_KEYS = ("route", "scale", "sigma_min", "sigma_max", "span", "name")
@@ -456,20 +456,6 @@ def _normalize_source(raw: Mapping[str, Any], source: str, problems: list[str], 
     return out
 
 
-def split_network_args(kwargs: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
-    """Split network kwargs into (plugin keys without prefix, everything else for the inner module)."""
-    plugin: dict[str, str] = {}
-    inner: dict[str, Any] = {}
-    for key, value in kwargs.items():
-        if key.startswith(NETWORK_ARGS_PREFIX):
-            plugin[key[len(NETWORK_ARGS_PREFIX) :]] = value
-        elif key in UNPREFIXED_NETWORK_ARGS:
-            plugin[key] = value
-        else:
-            inner[key] = value
-    return plugin, inner
-
-
 def read_plugin_toml(path: str) -> dict[str, Any]:
     if not os.path.isfile(path):
         raise ConfigError([f"downscale_config: file not found: {path}"])
@@ -564,64 +550,3 @@ def load_config(
     if problems:
         raise ConfigError(problems)
     return DownscaleConfig(routes=tuple(rules), sources=tuple(sources), **merged)
-
-
-def flatten_training_toml(data: Mapping[str, Any]) -> dict[str, Any]:
-    """Flatten a training TOML the way sd-scripts' ``read_config_from_file`` does.
-
-    Every top-level table is merged one level into a flat dict (section names dropped), so
-    ``[plugins.downscale]`` arrives as the dict-valued key ``downscale``.
-    """
-    flat: dict[str, Any] = {}
-    for key, value in data.items():
-        if isinstance(value, dict):
-            flat.update(value)
-        else:
-            flat[key] = value
-    return flat
-
-
-def network_args_dict(items: Sequence[str] | None) -> dict[str, str]:
-    """Parse sd-scripts' ``network_args`` list (``key=value`` strings), like the trainer does."""
-    out: dict[str, str] = {}
-    for item in items or []:
-        key, sep, value = item.partition("=")
-        if not sep:
-            raise ConfigError([f"network_args: {item!r} is not of the form key=value"])
-        out[key.strip()] = value.strip()
-    return out
-
-
-def config_from_training_toml(path: str) -> tuple[DownscaleConfig, dict[str, Any]]:
-    """Read a sd-scripts training TOML: returns the plugin config and the flattened host args."""
-    if not os.path.isfile(path):
-        raise ConfigError([f"config_file: file not found: {path}"])
-    try:
-        data = toml.load(path)
-    except toml.TomlDecodeError as err:
-        raise ConfigError([f"config_file: {path} is not valid TOML: {err}"]) from None
-    problems = []
-    for name in ("downscale", "downscale_plugin"):
-        if isinstance(data.get(name), dict):
-            problems.append(
-                f"[{name}]: a one-level table is flattened into the trainer's args by sd-scripts and can override real "
-                "options; put the plugin's keys under [plugins.downscale]"
-            )
-    flat = flatten_training_toml(data)
-    table = flat.get("downscale")
-    if table is not None and not isinstance(table, dict):
-        problems.append(f"plugins.downscale: must be a table, got {table!r}")
-        table = None
-    try:
-        plugin_args, _ = split_network_args(network_args_dict(flat.get("network_args")))
-    except ConfigError as err:
-        problems.extend(err.problems)
-        plugin_args = {}
-    try:
-        cfg = load_config(plugin_args, table, base_dir=os.path.dirname(os.path.abspath(path)))
-    except ConfigError as err:
-        problems.extend(err.problems)
-        cfg = None
-    if problems:
-        raise ConfigError(problems)
-    return cfg, flat

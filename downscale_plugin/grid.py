@@ -13,39 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
+from .arch import ArchSpec
 from .config import RouteRule
-
-
-@dataclass(frozen=True)
-class ArchSpec:
-    """What the grid rule needs to know about an architecture, in latent pixels."""
-
-    name: str
-    multiple: int  # target latent h, w must be multiples of this
-    patch: int  # latent pixels per token side (DiT patchify / Flux 2x2 packing)
-    vae_factor: int  # image pixels per latent pixel
-
-
-ARCHS: dict[str, ArchSpec] = {
-    spec.name: spec
-    for spec in (
-        ArchSpec("flux", 2, 2, 8),
-        ArchSpec("chroma", 2, 2, 8),
-        ArchSpec("sd3", 2, 2, 8),
-        ArchSpec("lumina", 2, 2, 8),
-        ArchSpec("anima", 2, 2, 8),
-        ArchSpec("hunyuan_image", 1, 1, 32),
-        ArchSpec("sdxl", 4, 1, 8),
-        ArchSpec("sd1", 1, 1, 8),
-    )
-}
-
-
-def get_arch(name: str) -> ArchSpec:
-    try:
-        return ARCHS[name]
-    except KeyError:
-        raise ValueError(f"arch: {name!r} has no grid multiple (allowed: {', '.join(ARCHS)})") from None
 
 
 def tokens(latent_hw: tuple[int, int], arch: ArchSpec) -> int:
@@ -136,20 +105,3 @@ def eligibility_table(
 ) -> list[list[Eligibility]]:
     """Per bucket (latent h, w), one :class:`Eligibility` per rule, for the start banner and ``plan``."""
     return [[eligibility(b, i, r, arch, tier_tolerance) for i, r in enumerate(rules)] for b in buckets]
-
-
-def sd_scripts_buckets(
-    resolution: tuple[int, int], min_size: int = 256, max_size: int = 1024, divisible: int = 64
-) -> list[tuple[int, int]]:
-    """The bucket list sd-scripts builds for ``--enable_bucket`` (pixels, (W, H)), same arithmetic."""
-    max_area = resolution[0] * resolution[1]
-    side = int(math.sqrt(max_area) // divisible) * divisible
-    resos = {(side, side)}
-    width = min_size
-    while width <= max_size:
-        height = min(max_size, int((max_area // width) // divisible) * divisible)
-        if height >= min_size:
-            resos.add((width, height))
-            resos.add((height, width))
-        width += divisible
-    return sorted(resos)

@@ -24,9 +24,10 @@ from typing import Protocol
 
 import torch
 
-from .accounting import FLOP_PRESETS, FlopModel, predicted_saving, route_histogram
+from .arch import ArchSpec, get_arch
 from .config import DownscaleConfig, RouteRule, Span
-from .grid import ArchSpec, eligibility, get_arch, tokens
+from .flops import FlopModel, predicted_saving
+from .grid import eligibility, tokens
 from .sigma import ddpm_alphas_cumprod, ddpm_t_to_sigma
 
 Window = tuple[float, float | None]  # strict (lo, hi); hi None: no upper bound
@@ -260,6 +261,16 @@ def route_probabilities(
     return probs
 
 
+def route_histogram(probs: Mapping[int, float], route_tokens: Mapping[int, int], weight: float = 1.0) -> dict[int, float]:
+    """Per-route probabilities (rule index, −1 native) × the tokens each route runs → a token histogram."""
+    hist: dict[int, float] = {}
+    for index, p in probs.items():
+        if p > 0:
+            n = route_tokens[index]
+            hist[n] = hist.get(n, 0.0) + weight * p
+    return hist
+
+
 @dataclass(frozen=True)
 class BucketPlan:
     """One bucket's row of the plan."""
@@ -316,7 +327,9 @@ def plan_table(
     expected per-sample cost with its native cost; overall figures pool them by weight.
     """
     spec = arch if isinstance(arch, ArchSpec) else get_arch(arch)
-    model = flop_model if flop_model is not None else FLOP_PRESETS[spec.name]
+    model = flop_model if flop_model is not None else spec.flops
+    if model is None:
+        raise ValueError(f"plan_table: arch {spec.name!r} has no FLOP model; pass flop_model=")
     weights = list(weights) if weights is not None else [1.0] * len(buckets)
     if len(weights) != len(buckets) or not buckets or sum(weights) <= 0:
         raise ValueError("plan_table: need at least one bucket and one non-negative weight per bucket, not all zero")

@@ -25,8 +25,9 @@ from dataclasses import dataclass
 
 import torch
 
+from .arch import ArchSpec, get_arch
 from .config import DownscaleConfig, RouteRule
-from .grid import ArchSpec, get_arch, rule_ratio, target_grid
+from .grid import rule_ratio, target_grid
 
 SigmaDraw = Callable[[int], torch.Tensor]
 

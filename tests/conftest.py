@@ -9,7 +9,7 @@ import pytest
 import torch
 from host_modules import host_modules
 
-from downscale_plugin.hosts import sd_scripts_run
+from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
 
 
 @pytest.fixture(scope="module")
@@ -26,4 +26,4 @@ def host_doubles():
 @pytest.fixture
 def cheap_plan(monkeypatch):
     """The start banner's Monte-Carlo plan is not under test here; keep it cheap."""
-    monkeypatch.setattr(sd_scripts_run, "PLAN_MC_SAMPLES", 256)
+    monkeypatch.setattr(sd_scripts_start, "PLAN_MC_SAMPLES", 256)

@@ -1,8 +1,11 @@
 import pytest
 import torch
 
-from downscale_plugin.accounting import FLOP_PRESETS, Accounting, FlopModel, StepRecord, predicted_saving, route_histogram
+from downscale_plugin.accounting import Accounting, StepRecord
+from downscale_plugin.arch import ARCHS
 from downscale_plugin.config import RouteRule
+from downscale_plugin.flops import FlopModel, predicted_saving
+from downscale_plugin.plan import route_histogram
 from downscale_plugin.router import RouteDecision
 
 RULES = (RouteRule(0.65, 0.95, native=1024, target=768), RouteRule(0.5, None, native=1024, target=896))
@@ -29,11 +32,11 @@ def test_flop_model_coefficients_come_from_the_shape():
 
 
 def test_flux_preset_is_57_blocks_of_3072():
-    m = FLOP_PRESETS["flux"]
+    m = ARCHS["flux"].flops
     assert (m.hidden, m.depth, m.text_tokens) == (3072, 57, 512)
     assert m.a == 2 * 57 * 3072**2 * 12
-    assert {"flux", "chroma", "sd3", "sd3_large", "lumina", "anima", "hunyuan_image", "sdxl", "sd1"} <= set(FLOP_PRESETS)
-    assert FLOP_PRESETS["sdxl"].b == 0 and FLOP_PRESETS["sd1"].b == 0
+    assert all(spec.flops is not None for spec in ARCHS.values())
+    assert ARCHS["sdxl"].flops.b == 0 and ARCHS["sd1"].flops.b == 0
 
 
 def test_predicted_saving_of_a_known_histogram():

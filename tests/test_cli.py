@@ -218,8 +218,11 @@ def test_module_entry_point(tmp_path):
 
 
 def test_command_whose_extra_is_missing_says_what_to_install(monkeypatch, capsys):
+    def ghost(args):
+        import downscale_plugin.no_such_module  # noqa: F401 (stands for a missing optional dependency)
+
     monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
-    monkeypatch.setattr(cli, "EXTENSIONS", {"ghost": "downscale_plugin.no_such_module"})
+    cli.register("ghost", "needs a missing package", lambda parser: None, ghost)
     assert cli.main(["ghost"]) == 2
     err = capsys.readouterr().err
     assert "ghost: needs the package 'downscale_plugin.no_such_module'" in err and "pip install 'downscale-plugin[lab]'" in err

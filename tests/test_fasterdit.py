@@ -10,9 +10,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from downscale_plugin.arch import get_arch
 from downscale_plugin.config import RouteRule
 from downscale_plugin.fasterdit.direction_loss import direction_loss_scope, direction_term
-from downscale_plugin.fasterdit.latent_stds import measure_stds, npz_latents
+from downscale_plugin.fasterdit.latent_stds import measure_stds
 from downscale_plugin.fasterdit.policies import POLICIES, RunningStd, make_policy, res_shift, shift_sigma, snr_match
 from downscale_plugin.fasterdit.positions import (
     img_ids_scope,
@@ -26,7 +27,8 @@ from downscale_plugin.fasterdit.positions import (
 from downscale_plugin.fasterdit.snr import log_snr, log_snr_cdf, log_snr_histogram, log_snr_pdf
 from downscale_plugin.fasterdit.snr_report import build_report
 from downscale_plugin.fasterdit.stats import Moments
-from downscale_plugin.grid import area_downsample, get_arch
+from downscale_plugin.grid import area_downsample
+from downscale_plugin.hosts.sd_scripts.cli import npz_latents
 from downscale_plugin.lab import flux_utils as lab_flux_utils
 from downscale_plugin.scope import swap_attr
 from downscale_plugin.sigma import SigmaSampler

@@ -14,12 +14,13 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from downscale_plugin.accounting import FlopModel
+from downscale_plugin.arch import get_arch
 from downscale_plugin.config import SIGMA_POLICIES, load_config
 from downscale_plugin.fasterdit.policies import shift_sigma
-from downscale_plugin.grid import area_downsample, get_arch
-from downscale_plugin.hosts.hook import DownscaleHook, StepOptions
-from downscale_plugin.hosts.lab import LabPlugin
+from downscale_plugin.flops import FlopModel
+from downscale_plugin.grid import area_downsample
+from downscale_plugin.hosts.lab.adapter import LabPlugin
+from downscale_plugin.hosts.sd_scripts.hook import DownscaleHook, StepOptions
 from downscale_plugin.lab import flux_utils
 from downscale_plugin.lab import trainer as lab_trainer
 from downscale_plugin.lab.data import LabData, LabDataConfig

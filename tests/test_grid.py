@@ -10,17 +10,17 @@ import torch
 import torch.nn.functional as F
 from scipy import stats
 
+from downscale_plugin.arch import ARCHS
 from downscale_plugin.config import RouteRule
 from downscale_plugin.grid import (
-    ARCHS,
     area_downsample,
     area_weights,
     eligibility_table,
     rule_ratio,
-    sd_scripts_buckets,
     target_grid,
     tokens,
 )
+from downscale_plugin.hosts.sd_scripts.buckets import sd_scripts_buckets
 from downscale_plugin.sigma import SigmaSampler, ddpm_alphas_cumprod, ddpm_t_to_sigma, flux_mu, sigma_to_ddpm_t
 
 RESOLUTIONS = (512, 768, 1024, 1280)

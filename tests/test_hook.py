@@ -11,8 +11,8 @@ import torch
 from scipy import stats
 
 from downscale_plugin.config import load_config
-from downscale_plugin.hosts.families import FlowFamily
-from downscale_plugin.hosts.hook import DownscaleHook
+from downscale_plugin.hosts.sd_scripts.families import FlowFamily
+from downscale_plugin.hosts.sd_scripts.hook import DownscaleHook
 from downscale_plugin.lab import flux_train_utils
 from downscale_plugin.router import Router
 from downscale_plugin.sigma import SigmaSampler

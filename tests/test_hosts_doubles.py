@@ -21,8 +21,8 @@ import torch.multiprocessing as mp
 from host_modules import ARCHS, host_modules, run_double, trainer_class
 
 from downscale_plugin.fasterdit.policies import shift_sigma
-from downscale_plugin.hosts import sd_scripts, sd_scripts_run
-from downscale_plugin.hosts.sd_scripts import HostError
+from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
+from downscale_plugin.hosts.sd_scripts.facts import BY_ARCH, HostError
 from downscale_plugin.sigma import ddpm_alphas_cumprod, ddpm_t_to_sigma, sigma_to_ddpm_t
 
 ALL_ROUTED = {"routes": [{"scale": 0.5, "sigma_min": 0.0}]}  # every σ > 0: every step runs at half size
@@ -37,13 +37,13 @@ pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")
 def decisions(monkeypatch):
     """Every router decision of the test, in order."""
     seen = []
-    route = sd_scripts_run.HostRouter.route
+    route = sd_scripts_start.HostRouter.route
 
     def spy(self, *args, **kwargs):
         seen.append(route(self, *args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(sd_scripts_run.HostRouter, "route", spy)
+    monkeypatch.setattr(sd_scripts_start.HostRouter, "route", spy)
     return seen
 
 
@@ -202,7 +202,7 @@ def test_validation_is_untouched_and_draws_no_rng(arch):
 def test_sampler_slot_is_restored_when_the_host_raises(arch):
     trainer = run_double(arch, "--resolution", RES, "--max_train_steps", "1", "--seed", "2", downscale=ALL_ROUTED)
     run = trainer.last_run
-    module_name, contract = sd_scripts.SAMPLER_BY_ARCH[arch]
+    module_name, contract = BY_ARCH[arch].sampler
     module = importlib.import_module(module_name)
     name = "get_timesteps" if contract == "ddpm" else "get_noisy_model_input_and_timesteps"
     original = getattr(module, name)

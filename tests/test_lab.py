@@ -339,7 +339,7 @@ def test_sampler_bitwise_equal_to_host(mode: str) -> None:
 def test_lab_plugin_reads_tiers_at_the_configs_arch(tiny_model, tiny_data: LabData, arch, routes_the_square_bucket) -> None:
     """The map tool's lab windows say arch = "flux" (tiers at 8 px per latent cell): they must fire in lab training."""
     from downscale_plugin.config import load_config
-    from downscale_plugin.hosts.lab import LabPlugin
+    from downscale_plugin.hosts.lab.adapter import LabPlugin
 
     # The 64x64 px bucket is a 16x16 latent: the 128 px tier at Flux's VAE factor, 64 px in lab pixels.
     table = {"routes": [{"route": "128:96", "sigma_min": 0.0}], **({"arch": arch} if arch else {})}
@@ -353,7 +353,7 @@ def test_lab_plugin_reads_tiers_at_the_configs_arch(tiny_model, tiny_data: LabDa
 
 def test_lab_plugin_rejects_an_arch_that_packs_unlike_the_lab(tiny_data: LabData) -> None:
     from downscale_plugin.config import load_config
-    from downscale_plugin.hosts.lab import LabPlugin
+    from downscale_plugin.hosts.lab.adapter import LabPlugin
 
     with pytest.raises(ValueError, match="arch: 'sdxl'.*allowed: flux"):
         LabPlugin.for_lab(load_config(table={"arch": "sdxl", "routes": [{"route": "128:96", "sigma_min": 0.0}]}), TINY, tiny_data)

@@ -10,9 +10,9 @@ import pytest
 import toml
 import torch
 
+from downscale_plugin.bins import SigmaBins, parse_bins
 from downscale_plugin.config import load_config
 from downscale_plugin.mapping.arms import NATIVE_A, NATIVE_B, REENC, Arm, build_arms, latent_arm, pixel_arm
-from downscale_plugin.mapping.bins import SigmaBins, parse_bins
 from downscale_plugin.mapping.estimator import BinResult, MapInputError, MapResult, MapSettings, collect, debiased_floor, excess, run_map
 from downscale_plugin.mapping.windows import stack_windows, windows_toml
 from downscale_plugin.router import Router
@@ -250,8 +250,8 @@ def test_cli_lists_every_bad_input_and_exits_2_before_building_anything(capsys):
 
 @pytest.fixture(scope="module")
 def tiny_lab():
+    from downscale_plugin.hosts.lab.map_backend import LabBackend, LabMapConfig
     from downscale_plugin.lab.model import LabModelConfig
-    from downscale_plugin.mapping.lab_backend import LabBackend, LabMapConfig
 
     tiny = LabModelConfig(hidden_size=32, num_heads=2, double_layers=1, single_layers=1)
     cfg = LabMapConfig(model=tiny, pretrained=False, native_hw=(16, 16), warm_steps=3)

@@ -21,10 +21,10 @@ from safetensors import safe_open
 from safetensors.torch import load_file
 
 import downscale_plugin
-from downscale_plugin.config import ConfigError, config_from_training_toml, load_config, read_plugin_toml
-from downscale_plugin.grid import get_arch
-from downscale_plugin.hosts import sd_scripts
-from downscale_plugin.hosts.sd_scripts import HostError
+from downscale_plugin.arch import get_arch
+from downscale_plugin.config import ConfigError, load_config, read_plugin_toml
+from downscale_plugin.hosts.kohya import config_from_training_toml
+from downscale_plugin.hosts.sd_scripts.facts import KNOWN_INNERS, HostError
 
 ALL_ROUTED = {"routes": [{"scale": 0.5, "sigma_min": 0.0}]}
 RES = ("--resolution", "128,128")
@@ -165,7 +165,7 @@ def test_bad_config_fails_before_any_step():
 def test_unknown_inner_lists_the_choices(inner, message):
     with pytest.raises(HostError, match=message) as err:
         run_double("flux", *RES, "--network_args", f"inner={inner}", downscale=ALL_ROUTED)
-    assert all(choice in str(err.value) for choice in sd_scripts.KNOWN_INNERS)
+    assert all(choice in str(err.value) for choice in KNOWN_INNERS)
 
 
 def test_unknown_denoiser_asks_for_inner():
@@ -204,7 +204,7 @@ def test_architecture_errors():
         run_double("chroma", *RES, "--network_args", "ds_arch=sd3", downscale=ALL_ROUTED)
     with pytest.raises(ConfigError, match="arch: 'sd5' is not allowed"):
         run_double("flux", *RES, downscale={**ALL_ROUTED, "arch": "sd5"})
-    with pytest.raises(ValueError, match="'sd5' has no grid multiple"):
+    with pytest.raises(ValueError, match="'sd5' is not a known architecture"):
         get_arch("sd5")
     base = trainer_class("sd1")
     custom = type("CustomTrainer", (), {k: v for k, v in vars(base).items() if not k.startswith("__") or k == "__init__"})

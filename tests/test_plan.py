@@ -4,8 +4,8 @@ from collections import Counter
 import pytest
 import torch
 
-from downscale_plugin.accounting import FlopModel
 from downscale_plugin.config import RouteRule, Span, load_config
+from downscale_plugin.flops import FlopModel
 from downscale_plugin.plan import (
     DdpmSampler,
     exhaustion_probability,

@@ -20,13 +20,13 @@ from host_modules import ARCHS, run_double, trainer_class
 from safetensors import safe_open
 from test_hosts_doubles import model_sigma, small_input
 
+from downscale_plugin.bins import parse_bins
 from downscale_plugin.config import load_config
 from downscale_plugin.grid import area_downsample
-from downscale_plugin.hosts import sd_scripts_run
-from downscale_plugin.hosts.sd_scripts import VAE_BY_ARCH, HostError
+from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
+from downscale_plugin.hosts.sd_scripts.facts import BY_ARCH, HostError
+from downscale_plugin.hosts.sd_scripts.map_backend import VAE_CALLS, HostVae, SdScriptsBackend, VaeCalls
 from downscale_plugin.mapping.arms import REENC, pixel_arm
-from downscale_plugin.mapping.bins import parse_bins
-from downscale_plugin.mapping.sd_scripts_backend import VAE_CALLS, HostVae, SdScriptsBackend, VaeCalls
 
 RES = "128,128"  # latent 16x16 (4x4 for HunyuanImage): ratio 0.5 has a smaller grid on every architecture
 QUICK = {"map_ratios": [0.5], "map_bins": "0,0.5,1", "map_draws": 2, "map_images": 2}  # 2 images × 3 bins × 3 arms × 2 draws
@@ -39,13 +39,13 @@ pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")
 def runs(monkeypatch):
     """Every plugin run ``prepare_network`` starts (a stopped run never reaches ``trainer.last_run``)."""
     seen = []
-    start = sd_scripts_run.start
+    start = sd_scripts_start.start
 
     def spy(*args, **kwargs):
         seen.append(start(*args, **kwargs))
         return seen[-1]
 
-    monkeypatch.setattr(sd_scripts_run, "start", spy)
+    monkeypatch.setattr(sd_scripts_start, "start", spy)
     return seen
 
 
@@ -254,7 +254,7 @@ def test_a_map_the_run_cannot_do_fails_at_prepare_network(tmp_path, steps, confi
 
 
 def test_a_missing_map_package_is_named_at_prepare_network(tmp_path, monkeypatch):
-    from downscale_plugin.hosts import sd_scripts_map
+    from downscale_plugin.hosts.sd_scripts import map as sd_scripts_map
 
     monkeypatch.setattr(sd_scripts_map, "MAP_PACKAGES", ("scipy", "no_such_package_for_the_map"))
     with pytest.raises(HostError, match=r'no_such_package_for_the_map not installed.*pip install "downscale-plugin\[map\]"'):
@@ -305,7 +305,7 @@ def vae_errors(arch: str) -> tuple[float, float]:
     x = ae.image(ae.cache(torch.rand(1, 3, 64, 64, generator=torch.Generator().manual_seed(1)) * 1.8 - 0.9))  # pixels the codec holds
     cached = ae.cache(x)
     assert x.abs().max() < 1  # inside HostVae's clamp
-    vae = HostVae(ae, VAE_BY_ARCH[arch], "cpu", [])
+    vae = HostVae(ae, BY_ARCH[arch].vae_calls, "cpu", [])
     backend = SdScriptsBackend([{"latents": cached, "loss_weights": torch.ones(1)}], lambda p: None, None, [], arch, [], {}, vae, seed=5)
     reenc = backend.arm_input(0, REENC)[1]
     return float((vae.decode(cached) - x).abs().max()), float((shift_scale(None, reenc) - shift_scale(None, cached)).abs().max())
@@ -329,7 +329,7 @@ def test_the_vae_is_called_as_the_hosts_latent_cache_calls_it(arch):
     ],
 )
 def test_a_wrong_latent_scale_or_shift_is_caught(arch, wrong, monkeypatch):
-    monkeypatch.setitem(VAE_CALLS, VAE_BY_ARCH[arch], wrong)
+    monkeypatch.setitem(VAE_CALLS, BY_ARCH[arch].vae_calls, wrong)
     assert vae_errors(arch)[0] > 1e-2
 
 
@@ -340,7 +340,7 @@ def test_the_sd1_sdxl_calls_drive_diffusers_own_autoencoderkl():
     blocks = {"down_block_types": ("DownEncoderBlock2D",) * 4, "up_block_types": ("UpDecoderBlock2D",) * 4}
     vae = diffusers.AutoencoderKL(**blocks, block_out_channels=(8,) * 4, layers_per_block=1, norm_num_groups=8, latent_channels=4).eval()
     x = torch.rand(1, 3, 32, 32, generator=torch.Generator().manual_seed(1)) * 2 - 1
-    host = HostVae(vae, VAE_BY_ARCH["sdxl"], "cpu", [])
+    host = HostVae(vae, BY_ARCH["sdxl"].vae_calls, "cpu", [])
     z = host.encode(x, 7)
     torch.manual_seed(7)
     with torch.no_grad():
@@ -350,7 +350,7 @@ def test_the_sd1_sdxl_calls_drive_diffusers_own_autoencoderkl():
 
 def test_vae_arms_on_an_architecture_without_a_driven_vae_fail_at_prepare_network(tmp_path, steps):
     calls = steps("anima")
-    supported = "flux, chroma, lumina, sd3, sdxl, sd1"
+    supported = "lumina, chroma, flux, sd3, sdxl, sd1"
     with pytest.raises(HostError, match=rf"map_pixel: the VAE arms are not supported for anima \(supported: {supported}\)"):
         run_double("anima", "--resolution", RES, downscale=map_config(tmp_path, map_pixel=True))
     assert calls == [] and not (tmp_path / "map").exists()
@@ -375,6 +375,6 @@ def test_vae_arms_of_a_probe_of_images_start_from_its_encoded_latent():
 
 
 def test_every_vae_arch_names_a_known_calling_convention():
-    assert set(VAE_BY_ARCH.values()) <= set(VAE_CALLS)
+    assert {r.vae_calls for r in BY_ARCH.values() if r.vae_calls} <= set(VAE_CALLS)
     with pytest.raises(ValueError, match="allowed: direct, diffusers"):
         HostVae(torch.nn.Identity(), "lanczos", "cpu", [])

@@ -32,7 +32,9 @@ from host_modules import host_modules
 
 import downscale_plugin
 from downscale_plugin.fasterdit.policies import shift_sigma
-from downscale_plugin.hosts import sd_scripts, sd_scripts_run
+from downscale_plugin.hosts.kohya import plugin_config
+from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
+from downscale_plugin.hosts.sd_scripts.facts import BY_ARCH
 from downscale_plugin.sigma import ddpm_t_to_sigma
 
 SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
@@ -62,7 +64,7 @@ def host():
 
 @pytest.fixture(autouse=True)
 def quick_plan(monkeypatch):
-    monkeypatch.setattr(sd_scripts_run, "PLAN_MC_SAMPLES", 512)
+    monkeypatch.setattr(sd_scripts_start, "PLAN_MC_SAMPLES", 512)
 
 
 def _stand_ins():
@@ -276,7 +278,7 @@ def test_native_step_and_validation_are_bitwise_the_host(arch):
 @pytest.mark.parametrize("arch", ["flux", "sd3", "lumina", "sdxl"])
 def test_sampler_slot_is_restored_after_a_host_exception(arch):
     setup = Setup(arch, ALL_ROUTED)
-    module_name, contract = sd_scripts.SAMPLER_BY_ARCH[arch]
+    module_name, contract = BY_ARCH[arch].sampler
     module = importlib.import_module(module_name)
     name = "get_timesteps" if contract == "ddpm" else "get_noisy_model_input_and_timesteps"
     original = getattr(module, name)
@@ -347,7 +349,7 @@ def test_example_configs_reach_the_plugin_through_the_hosts_own_toml_reader(name
     args = train_util.read_config_from_file(parser.parse_args(), parser)  # re-parses sys.argv over the TOML, as the scripts do
     assert args.network_module == "downscale_plugin" and isinstance(args.downscale, dict)
     routes = {"anima": ["paper-768", "paper-896"], "hunyuan_image": ["2048:1536", "2048:1792"]}.get(name, ["1024:768", "1024:896"])
-    assert [r.label for r in sd_scripts.plugin_config({}, args).routes] == routes
+    assert [r.label for r in plugin_config({}, args).routes] == routes
 
 
 def end_to_end(arch: str, work: Path, mode: str = "train") -> str:

@@ -2,52 +2,22 @@
 
 The small latent's std is what sets its extended SNR (``snr``) and the ``snr_match`` shift, and it
 depends on the data's spatial correlation, so it is measured by running the router's own grid rule
-and ``grid.area_downsample`` on real latents: cached sd-scripts ``.npz`` files or the lab corpus.
+and ``grid.area_downsample`` on real latents, from whatever source a host registers with ``snr``.
 """
 
 from __future__ import annotations
 
 import math
-import os
-import re
 from collections import Counter
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
-import numpy as np
 import torch
 
+from ..arch import ArchSpec
 from ..config import RouteRule
-from ..grid import ArchSpec, area_downsample, eligibility
+from ..grid import area_downsample, eligibility
 from .stats import Moments
-
-# sd-scripts' cache keys: "latents", or "latents_{H}x{W}" for multi-resolution caches. The
-# "latents_flipped*" arrays are mirror images of the same latents (same std) and are skipped.
-_LATENT_KEY = re.compile(r"latents(_\d+x\d+)?")
-
-# What sd-scripts' ``shift_scale_latents`` multiplies cached latents by before training (a shift
-# does not change a std). Every other trainer caches latents already in training scale.
-HOST_LATENT_SCALE = {"sd1": 0.18215, "sdxl": 0.13025, "sd3": 1.5305, "hunyuan_image": 0.75289}
-
-
-def npz_latents(directory: str, limit: int | None = None) -> Iterator[torch.Tensor]:
-    """Every cached latent (C, H, W) or (C, T, H, W) under ``directory`` (recursive), file order sorted."""
-    paths = sorted(os.path.join(root, name) for root, _, names in os.walk(directory) for name in names if name.endswith(".npz"))
-    if not paths:
-        raise FileNotFoundError(f"--latents: no .npz files under {directory}")
-    for path in paths[:limit]:
-        with np.load(path) as npz:
-            for key in npz.files:
-                if _LATENT_KEY.fullmatch(key):
-                    yield torch.from_numpy(np.asarray(npz[key], dtype=np.float32))
-
-
-def lab_latents(per_bucket: int, seed: int = 0) -> Iterator[torch.Tensor]:
-    """The lab corpus' held-out crops, ``per_bucket`` per bucket (imports the lab on use)."""
-    from ..lab.data import LabData
-
-    for batch in LabData().validation_set(per_bucket=per_bucket, seed=seed):
-        yield from batch["latents"]
 
 
 @dataclass

@@ -10,23 +10,24 @@ ones. The endpoint convention id·(N_native − 1)/(N_small − 1) would stretch
 (N_native − 1)/(N_small − 1) ≠ k. PI is also purely multiplicative, so tokens at 0 on the spatial
 axes (Flux's text ids, Lumina's caption tokens) keep their positions.
 
-Handles, per architecture (host-sd-scripts.md §2), each replaced only for the routed forward:
+Handles, by the position-handle kind of the architecture's record (``arch.ArchSpec.positions``),
+each replaced only for the routed forward:
 
-- Flux / Chroma (and the lab): module function ``flux_utils.prepare_img_ids(batch, h, w)`` →
+- ``img_ids`` (Flux / Chroma, the lab): a module function ``prepare_img_ids(batch, h, w)`` →
   (B, h·w, 3) ids, channel 1 row, 2 col → :func:`img_ids_scope`.
-- Lumina: the ``NextDiT.rope_embedder`` instance attribute, called with int ids (B, L, 3) (axis 0
-  caption index, 1 row, 2 col) and gathering from an integer table, so scaled (fractional) ids need
-  RoPE evaluated at real positions with the embedder's own ``theta``/``axes_dims`` →
-  :func:`rope_embedder_scope`.
-- Anima: ``pos_embedder.generate_embeddings(B_T_H_W_C, fps)`` returns RoPE *angles* laid out over
-  (T, H, W); angles are linear in position, so each angle column is scaled by the factor of the
-  axis it varies along → :func:`rope_angles_scope`.
-- HunyuanImage: ``get_rotary_pos_embed((th, tw))`` builds its positions with the module function
-  ``hunyuan_image_utils.get_meshgrid_nd`` ([2, th, tw]) → :func:`meshgrid_scope`. (The trainer does
-  not pass the model's ``rotary_pos_emb_cache``; if a host revision does, its entries are keyed by
-  grid size only and a routed step would poison it for native buckets of that size.)
-- SD3 has a fixed sin-cos table centre-cropped to the grid (``cropped_pos_embed``) and the UNets
-  have no positions: not supported (``positions = "plain"`` only).
+- ``rope_embedder`` (Lumina): the ``NextDiT.rope_embedder`` instance attribute, called with int ids
+  (B, L, 3) (axis 0 caption index, 1 row, 2 col) and gathering from an integer table, so scaled
+  (fractional) ids need RoPE evaluated at real positions with the embedder's own
+  ``theta``/``axes_dims`` → :func:`rope_embedder_scope`.
+- ``rope_angles`` (Anima): ``pos_embedder.generate_embeddings(B_T_H_W_C, fps)`` returns RoPE *angles*
+  laid out over (T, H, W); angles are linear in position, so each angle column is scaled by the
+  factor of the axis it varies along → :func:`rope_angles_scope`.
+- ``meshgrid`` (HunyuanImage): ``get_rotary_pos_embed((th, tw))`` builds its positions with the
+  module function ``get_meshgrid_nd`` ([2, th, tw]) → :func:`meshgrid_scope`. (The trainer does not
+  pass the model's ``rotary_pos_emb_cache``; if a host revision does, its entries are keyed by grid
+  size only and a routed step would poison it for native buckets of that size.)
+- None (SD3's fixed sin-cos table centre-cropped to the grid, the UNets without positions): not
+  supported (``positions = "plain"`` only).
 """
 
 from __future__ import annotations
@@ -38,11 +39,10 @@ from typing import Any
 
 import torch
 
+from ..arch import ARCHS, ArchSpec
 from ..config import POSITIONS as POSITIONS  # re-exported: the allowed values live with the config schema
-from ..grid import ArchSpec
 from ..scope import swap_attr
 
-INTERPOLATE_ARCHS = ("flux", "chroma", "lumina", "anima", "hunyuan_image")  # archs with a position handle
 Factors = tuple[float, float]
 
 
@@ -143,10 +143,11 @@ def meshgrid_scope(module: Any, factors: Factors, attr: str = "get_meshgrid_nd")
 
 def require_interpolate(arch: ArchSpec) -> None:
     """Raise unless ``arch`` has a position handle ``positions = "interpolate"`` can scale."""
-    if arch.name not in INTERPOLATE_ARCHS:
+    if arch.positions is None:
+        allowed = ", ".join(name for name, spec in ARCHS.items() if spec.positions is not None)
         raise ValueError(
-            f"positions: 'interpolate' is not available for {arch.name} (allowed: {', '.join(INTERPOLATE_ARCHS)}; SD3 crops a "
-            "fixed sin-cos table, the UNets have no position ids); use positions = 'plain'"
+            f"positions: 'interpolate' is not available for {arch.name} (allowed: {allowed}; its positions are a fixed table "
+            "or it has none); use positions = 'plain'"
         )
 
 
@@ -155,9 +156,9 @@ def positions_scope(
 ) -> AbstractContextManager:
     """The interpolate scope for one routed forward of ``arch``.
 
-    ``module``: Flux/Chroma ``library.flux_utils`` (or ``downscale_plugin.lab.flux_utils``),
-    HunyuanImage ``library.hunyuan_image_utils``; ``model``: the unwrapped Lumina ``NextDiT`` or
-    Anima DiT. A null context when the grids are the same.
+    ``module``: the module holding an ``img_ids`` or ``meshgrid`` handle; ``model``: the unwrapped
+    denoiser holding a ``rope_embedder`` or ``rope_angles`` handle. A null context when the grids
+    are the same.
     """
     require_interpolate(arch)
     native = token_grid(native_latent_hw, arch)
@@ -165,13 +166,13 @@ def positions_scope(
     factors = pi_factors(native, small)
     if all(math.isclose(f, 1.0) for f in factors):
         return nullcontext()
-    if arch.name in ("flux", "chroma"):
+    if arch.positions == "img_ids":
         return img_ids_scope(_need(module, "module", arch), native)
-    if arch.name == "lumina":
+    if arch.positions == "rope_embedder":
         return rope_embedder_scope(_need(model, "model", arch), factors)
-    if arch.name == "anima":
+    if arch.positions == "rope_angles":
         return rope_angles_scope(_need(model, "model", arch).pos_embedder, factors)
-    return meshgrid_scope(_need(module, "module", arch), factors)  # hunyuan_image
+    return meshgrid_scope(_need(module, "module", arch), factors)
 
 
 def _need(value: Any, name: str, arch: ArchSpec) -> Any:

@@ -23,7 +23,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from ..grid import ArchSpec, tokens
+from ..arch import ArchSpec
+from ..grid import tokens
 from ..sigma import SigmaSampler
 from .latent_stds import LatentStds, RouteStds
 from .policies import policy_factor, shift_sigma

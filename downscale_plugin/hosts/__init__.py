@@ -1,1 +1,6 @@
-"""Host adapters: the only code that knows a host trainer's names (sd-scripts, the lab trainer)."""
+"""Host packages, one per trainer: the only code that knows a host's names.
+
+- ``sd_scripts``: kohya-ss sd-scripts (the ``--network_module downscale_plugin`` entry points)
+- ``lab``: the built-in lab trainer (``downscale_plugin.lab``), the demo and the lab map backend
+- ``kohya``: configuration conventions both kohya trainers share (training TOML, ``network_args``)
+"""

@@ -4,11 +4,12 @@
         --margin 0.05 --out map_out
     python -m downscale_plugin map --from_json map_out/map.json --margin 0.1 --out map_out_eps0.1
 
-Every input is checked before the model is built (exit 2 listing every problem). Outputs in
-``--out``: ``windows.toml`` (a plugin TOML: ``downscale_config=.../windows.toml``), ``map.csv``,
-``map.json`` (rows, per-image cells, provenance), ``map.png``; the table is printed as well.
-``--from_json`` re-derives verdicts and windows at another margin/level from a saved map: the margin
-is a policy choice, the gradients are the expensive part, and they are never recomputed.
+A measurement runs on a backend a host package registers (:func:`register_source`; the lab's is
+``--lab``). Every input is checked before the model is built (exit 2 listing every problem).
+Outputs in ``--out``: ``windows.toml`` (a plugin TOML: ``downscale_config=.../windows.toml``),
+``map.csv``, ``map.json`` (rows, per-image cells, provenance), ``map.png``; the table is printed as
+well. ``--from_json`` re-derives verdicts and windows at another margin/level from a saved map: the
+margin is a policy choice, the gradients are the expensive part, and they are never recomputed.
 
 ``--policies``/``--positions`` add, per ratio, one latent arm per (σ policy, positions) pair
 (``latent_0.75@res_shift``, ``latent_0.75+interp``, ...); ``--pixel`` adds a pixel-then-encode arm
@@ -23,24 +24,46 @@ from __future__ import annotations
 import argparse
 import json
 import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
+from ..bins import DEFAULT_BINS, parse_bins
 from ..cli import fail, register
-from .arms import build_arms
-from .bins import DEFAULT_BINS, parse_bins
-from .estimator import MapInputError, MapResult, MapSettings, check_inputs, run_map, settings_problems
-from .lab_backend import LabBackend, LabMapConfig, describe_config, lab_problems
-from .report import console_table, write_outputs
+from .arms import Arm, MapBackend, build_arms
+
+
+@dataclass(frozen=True)
+class MapSource:
+    """A backend ``map`` can measure on: ``--<flag>`` plus its own options.
+
+    ``prepare(args, arms)`` → (problems, a factory building the backend, its provenance, the
+    command-line words that reproduce it); nothing is built before every problem is known.
+    """
+
+    flag: str
+    help: str
+    add_arguments: Callable[[argparse.ArgumentParser], None]
+    options: tuple[str, ...]  # its option names (dest), refused with --from_json
+    prepare: Callable[[argparse.Namespace, Sequence[Arm]], tuple[list[str], Callable[[], MapBackend], dict[str, Any], list[str]]]
+
+
+SOURCES: dict[str, MapSource] = {}
+
+
+def register_source(source: MapSource) -> None:
+    if source.flag in SOURCES:
+        raise ValueError(f"map source --{source.flag} is already registered")
+    SOURCES[source.flag] = source
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--lab", action="store_true", help="measure on the built-in lab DiT (the only backend so far)")
-    source.add_argument("--from_json", metavar="MAP_JSON", help="re-derive verdicts/windows from a saved map.json (no gradients)")
-    parser.add_argument(
-        "--quick", action="store_true", help="use the quick (seconds) lab pretrain instead of the default (minutes, cached)"
-    )
+    group = parser.add_mutually_exclusive_group(required=True)
+    for source in SOURCES.values():
+        group.add_argument(f"--{source.flag}", action="store_true", help=source.help)
+    group.add_argument("--from_json", metavar="MAP_JSON", help="re-derive verdicts/windows from a saved map.json (no gradients)")
     parser.add_argument("--ratios", default="0.875,0.75,0.5", help="route linear ratios, comma-separated (default 0.875,0.75,0.5)")
     parser.add_argument(
         "--policies", default="keep", help="σ policies of the latent arms, comma-separated: keep,res_shift,snr_match (default keep)"
@@ -64,50 +87,43 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--margin", type=float, default=0.05, help="ε: a bin is safe when its upper bound < ε (default 0.05)")
     parser.add_argument("--alpha", type=float, default=0.05, help="one-sided level of the upper bound (default 0.05: 95%%)")
     parser.add_argument("--simultaneous", action="store_true", help="Bonferroni over each route's bins (the anchor's window rule)")
-    parser.add_argument("--native_size", default="64x64", help="probe latent HxW in lab cells, 4 px each (default 64x64: 1024 tokens)")
-    parser.add_argument("--rank", type=int, default=4, help="LoRA rank (default 4)")
-    parser.add_argument("--warm_steps", type=int, default=30, help="native warm-up steps of the adapter (default 30; 0: peft init, B = 0)")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default="map_out", help="output directory (default map_out)")
     parser.add_argument("--no_progress", action="store_true")
-
-
-def _native_size(text: str) -> tuple[int, int]:
-    h, sep, w = text.lower().partition("x")
-    if not sep or not h.isdigit() or not w.isdigit():
-        raise ValueError(f"native_size: {text!r} must be HxW in latent cells, e.g. 64x64")
-    return int(h), int(w)
+    for source in SOURCES.values():
+        source.add_arguments(parser.add_argument_group(f"--{source.flag}"))
 
 
 def _names(text: str) -> list[str]:
     return [t.strip() for t in text.split(",") if t.strip()]
 
 
-def command_line(args: argparse.Namespace) -> str:
+def command_line(args: argparse.Namespace, source: MapSource, source_words: Sequence[str]) -> str:
     """The canonical command that reproduces this run (every setting spelled out)."""
-    parts = ["python -m downscale_plugin map --lab"]
-    parts += ["--quick"] if args.quick else []
+    parts = [f"python -m downscale_plugin map --{source.flag}", *source_words]
     parts += [f"--ratios {args.ratios}", f"--policies {args.policies}", f"--positions {args.positions}"]
     parts += ["--pixel"] if args.pixel else []
     parts += ["--reenc"] if args.reenc else []
     parts += [f"--bins {args.bins}", f"--draws {args.draws}", f"--images {args.images}"]
-    parts += [f"--margin {args.margin:g}", f"--alpha {args.alpha:g}", f"--native_size {args.native_size}", f"--rank {args.rank}"]
-    parts += [f"--warm_steps {args.warm_steps}", f"--seed {args.seed}", f"--out {args.out}"]
+    parts += [f"--margin {args.margin:g}", f"--alpha {args.alpha:g}", f"--seed {args.seed}", f"--out {args.out}"]
     parts += ["--no_endpoint"] if args.no_endpoint else []
     parts += ["--simultaneous"] if args.simultaneous else []
     return " ".join(parts)
 
 
-# Flags that only mean something when gradients are measured; --from_json refuses them.
-MEASUREMENT_FLAGS = ("quick", "ratios", "policies", "positions", "pixel", "reenc", "bins", "no_endpoint", "draws", "images",
-                     "native_size", "rank", "warm_steps", "seed")  # fmt: skip
+# Flags that only mean something when gradients are measured; --from_json refuses them (and every source's options).
+MEASUREMENT_FLAGS = ("ratios", "policies", "positions", "pixel", "reenc", "bins", "no_endpoint", "draws", "images", "seed")
 
 
 def rederive(args: argparse.Namespace, parser_defaults: dict) -> int:
     """``--from_json``: load a saved map, re-derive at ``--margin``/``--alpha``/``--simultaneous``."""
+    from .estimator import MapResult, MapSettings, settings_problems
+    from .report import console_table, write_outputs
+
+    flags = (*MEASUREMENT_FLAGS, *(option for source in SOURCES.values() for option in source.options))
     problems = [f"--{k}: a measurement flag; with --from_json only --margin, --alpha, --simultaneous and --out apply"
-                for k in MEASUREMENT_FLAGS if getattr(args, k) != parser_defaults[k]]  # fmt: skip
+                for k in flags if getattr(args, k) != parser_defaults[k]]  # fmt: skip
     settings = MapSettings(margin=args.margin, alpha=args.alpha)
     problems += [p for p in settings_problems(settings) if p.startswith(("margin", "alpha"))]
     try:
@@ -132,9 +148,13 @@ def run(args: argparse.Namespace) -> int:
     if args.from_json:
         parser = argparse.ArgumentParser()
         add_arguments(parser)
-        return rederive(args, vars(parser.parse_args(["--lab"])))
+        return rederive(args, vars(parser.parse_args(["--from_json", args.from_json])))
+    from .estimator import MapInputError, MapSettings, check_inputs, run_map, settings_problems
+    from .report import console_table, write_outputs
+
+    source = next(s for s in SOURCES.values() if getattr(args, s.flag))
     problems: list[str] = []
-    arms = bins = lab_cfg = None
+    arms = bins = None
     try:
         ratios = [float(r) for r in args.ratios.split(",") if r.strip()]
     except ValueError as err:
@@ -158,26 +178,19 @@ def run(args: argparse.Namespace) -> int:
             problems += err.problems
     else:
         problems += settings_problems(settings)
-    try:
-        lab_cfg = LabMapConfig(
-            quick=args.quick, native_hw=_native_size(args.native_size), rank=args.rank, warm_steps=args.warm_steps, seed=args.seed
-        )
-        problems += lab_problems(lab_cfg, arms or ())
-    except ValueError as err:
-        problems.append(str(err))
+    source_problems, make_backend, provenance, source_words = source.prepare(args, arms or ())
+    problems += source_problems
     if args.threads is not None and args.threads < 1:
         problems.append(f"threads: {args.threads} must be >= 1")
     if problems:
         return fail(problems)
     if args.threads:
         torch.set_num_threads(args.threads)
-    command = command_line(args)
+    command = command_line(args, source, source_words)
     t0 = time.perf_counter()
-    backend = LabBackend(lab_cfg, images=args.images, progress=not args.no_progress)
+    backend = make_backend()
     setup_s = time.perf_counter() - t0
-    result = run_map(
-        backend, arms, bins, settings, progress=not args.no_progress, provenance={"command": command, "lab": describe_config(lab_cfg)}
-    )
+    result = run_map(backend, arms, bins, settings, progress=not args.no_progress, provenance={"command": command, **provenance})
     result.provenance["setup_s"] = round(setup_s, 2)
     paths = write_outputs(result, args.out, command)
     print(console_table(result))
@@ -189,4 +202,4 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-register("map", "measure the (route, σ) gradient map on the lab DiT; write windows TOML, CSV/JSON and a heatmap", add_arguments, run)
+register("map", "measure the (route, σ) gradient map (e.g. on the lab DiT); write windows TOML, CSV/JSON and a heatmap", add_arguments, run)

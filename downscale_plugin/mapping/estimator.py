@@ -41,8 +41,8 @@ import torch
 from scipy import stats
 from tqdm.auto import tqdm
 
+from ..bins import SigmaBins
 from .arms import NATIVE_A, NATIVE_B, PLAIN, Arm, MapBackend, plain_sibling
-from .bins import SigmaBins
 
 TRIM = 1.5  # |excess| beyond this is an estimator failure, not a gap (anchor: 36-40 of 40 kept)
 

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 
 import toml
 
-from ..grid import get_arch
+from ..arch import get_arch
 from .arms import PLAIN, Arm
 from .estimator import BinResult, MapResult
 

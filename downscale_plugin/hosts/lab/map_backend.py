@@ -43,13 +43,14 @@ from typing import Any
 import numpy as np
 import torch
 
-from ..fasterdit.policies import policy_factor, shift_sigma
-from ..fasterdit.positions import positions_scope
-from ..fasterdit.stats import Moments
-from ..grid import area_downsample, get_arch, target_grid, tokens
-from ..hosts.families import FlowFamily
-from ..lab.data import FACTOR
-from .arms import SMALL_KINDS, Arm
+from ...arch import get_arch
+from ...fasterdit.policies import policy_factor, shift_sigma
+from ...fasterdit.positions import positions_scope
+from ...fasterdit.stats import Moments
+from ...grid import area_downsample, target_grid, tokens
+from ...lab.data import FACTOR
+from ...mapping.arms import SMALL_KINDS, Arm
+from ..sd_scripts.families import FlowFamily
 
 PROBE_STREAM = 0x9B0BE  # probe crops come from their own data stream, never the warm-up batches
 
@@ -137,11 +138,11 @@ class LabBackend:
     rng_devices: tuple[int, ...] = ()
 
     def __init__(self, cfg: LabMapConfig, images: int, progress: bool = True) -> None:
-        from ..lab import flux_train_utils, flux_utils
-        from ..lab.data import LabData, LabDataConfig
-        from ..lab.model import LabModelConfig, LabTextEncoder, build_model
-        from ..lab.pretrain import load_or_pretrain
-        from ..lab.trainer import LabAccelerator, LabTrainer, inject_lora, lab_args, make_noise_scheduler
+        from ...lab import flux_train_utils, flux_utils
+        from ...lab.data import LabData, LabDataConfig
+        from ...lab.model import LabModelConfig, LabTextEncoder, build_model
+        from ...lab.pretrain import load_or_pretrain
+        from ...lab.trainer import LabAccelerator, LabTrainer, inject_lora, lab_args, make_noise_scheduler
 
         problems = lab_problems(cfg, ())
         if problems:

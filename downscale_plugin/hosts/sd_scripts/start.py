@@ -20,34 +20,24 @@ collective would deadlock), and only the main process logs.
 
 from __future__ import annotations
 
-import functools
-import json
 import logging
-import math
 from dataclasses import dataclass, field
-from importlib import metadata
 from typing import Any
 
 import torch
 
-from ..accounting import FLOP_PRESETS, Accounting, StepRecord
-from ..config import DownscaleConfig, RouteRule
-from ..grid import get_arch
-from ..plan import Plan, format_plan, plan_table
-from ..router import RouteDecision, Router
+from ...accounting import Accounting
+from ...arch import get_arch
+from ...config import DownscaleConfig
+from ...plan import Plan, format_plan, plan_table
+from ...router import RouteDecision, Router
+from ..kohya import plugin_config
+from .buckets import dataset_buckets
+from .facts import SUPPORTED, HostError, TrainerArch
 from .families import GRID_DEPENDENT_MODES, DDPMFamily, FlowFamily
 from .hook import DownscaleHook, fork_devices
-from .sd_scripts import (
-    SAMPLER_BY_ARCH,
-    SUPPORTED,
-    HostError,
-    TrainerContext,
-    detect_arch,
-    find_trainer,
-    make_family,
-    plugin_config,
-    step_options,
-)
+from .run import FASTERDIT_KEYS, DownscaleRun, version
+from .trainer import TrainerContext, detect_arch, find_trainer, make_family, step_options
 
 logger = logging.getLogger(__name__)
 
@@ -55,17 +45,8 @@ logger = logging.getLogger(__name__)
 EXPLICIT_STEP_HOOK = "noise_pred_and_target_hook"
 EXPLICIT_LOGS_HOOK = "step_logs_hook"
 
-FASTERDIT_KEYS = ("direction_loss_weight", "direction_loss_only_routed", "sigma_policy", "positions")
 PLAN_MC_SAMPLES = 8192  # σ draws per bucket for the banner's predicted fractions (±0.6 % at p = 0.5)
 _MC_CHUNK = 256  # grid-dependent samplers allocate a latent-sized tensor per σ
-
-
-@functools.cache
-def _version() -> str:
-    try:
-        return metadata.version("downscale-plugin")
-    except metadata.PackageNotFoundError:
-        return "unknown"
 
 
 def host_warnings(args: Any, arch: str, cfg: DownscaleConfig, world_size: int) -> list[str]:
@@ -81,22 +62,6 @@ def host_warnings(args: Any, arch: str, cfg: DownscaleConfig, world_size: int) -
     if cfg.gate == "strict" and world_size > 1:
         notes.append("gate = strict with several processes: ranks route independently and wait for the slowest at each all-reduce")
     return notes
-
-
-def dataset_buckets(group: Any, vae_factor: int) -> tuple[list[tuple[int, int]], list[float], int]:
-    """Latent (h, w) of every non-empty bucket, its share of steps, and the most common batch size."""
-    steps: dict[tuple[int, int], float] = {}
-    images_by_batch: dict[int, int] = {}
-    for dataset in getattr(group, "datasets", None) or []:
-        manager = getattr(dataset, "bucket_manager", None)
-        batch = int(getattr(dataset, "batch_size", 1) or 1)
-        for (width, height), bucket in zip(getattr(manager, "resos", ()), getattr(manager, "buckets", ()), strict=True):
-            if len(bucket):
-                hw = (height // vae_factor, width // vae_factor)
-                steps[hw] = steps.get(hw, 0.0) + math.ceil(len(bucket) / batch)
-                images_by_batch[batch] = images_by_batch.get(batch, 0) + len(bucket)
-    batch_size = max(images_by_batch, key=images_by_batch.get) if images_by_batch else 1
-    return list(steps), list(steps.values()), batch_size
 
 
 @dataclass(frozen=True)
@@ -146,89 +111,6 @@ class HostRouter(Router):
         return super().route(*args, **kwargs)
 
 
-def _rule_dict(rule: RouteRule) -> dict[str, Any]:
-    out: dict[str, Any] = {"route": f"{rule.native}:{rule.target}"} if rule.native else {"scale": rule.scale}
-    out["sigma_min"] = rule.sigma_min
-    if rule.sigma_max is not None:
-        out["sigma_max"] = rule.sigma_max
-    if rule.span is not None:
-        out["span"] = str(rule.span)
-    if rule.name:
-        out["name"] = rule.name
-    return out
-
-
-class DownscaleRun:
-    """One training run's plugin state: accounting, cross-rank totals, metadata, summary.
-
-    Exposed as ``network.downscale_run`` for inspection.
-    """
-
-    def __init__(self, cfg: DownscaleConfig, arch: str, inner: str, seed: int, accelerator: Any, accounting: Accounting):
-        self.cfg = cfg
-        self.arch = arch
-        self.inner = inner
-        self.seed = seed
-        self.accelerator = accelerator
-        self.rank = int(accelerator.process_index)
-        self.world_size = int(accelerator.num_processes)
-        self.accounting = accounting
-        self.totals = accounting  # summed over ranks; the same object on one process
-        self.finished = False
-        self.extra_metadata: dict[str, str] = {}  # e.g. ss_downscale_map after an in-run map
-
-    def _reduce(self, vector: torch.Tensor) -> torch.Tensor:
-        return self.accelerator.reduce(vector.to(self.accelerator.device), reduction="sum")
-
-    def on_step(
-        self, step: int, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int], run_sigmas: torch.Tensor
-    ) -> None:
-        """Every rank, every train step (so the collective is symmetric): record, then sum over ranks."""
-        self.accounting.record(StepRecord.from_decision(step, decision, native_hw, self.arch, run_sigmas=run_sigmas))
-        if self.world_size > 1:
-            self.totals = self.accounting.reduced(self._reduce)
-
-    def step_logs(self, logs: dict[str, float], current_loss: Any) -> None:
-        """Main process only (trackers exist there): the step's loss goes to its route, scalars to the logs."""
-        if current_loss is not None:
-            self.accounting.record_loss(float(current_loss))
-        logs.update(self.totals.scalars())
-
-    def finish(self) -> None:
-        """Every rank, once, at ``accelerator.end_training``: final totals and the end summary."""
-        if self.finished:
-            return
-        self.finished = True
-        if self.world_size > 1:
-            self.totals = self.accounting.reduced(self._reduce)
-        if self.rank == 0:
-            logger.info("%s", self.totals.summary_text())
-
-    def metadata(self) -> dict[str, str]:
-        totals = self.totals
-        counts = {
-            "forwards": totals.total_steps,
-            "routes": {("native" if i < 0 else f"r{i} {self.cfg.routes[i].label}"): f for i, f in totals.fractions().items()},
-            "fallbacks": totals.fallbacks,
-            "token_saving": totals.token_saving(),
-            "flop_saving": totals.flop_saving(),
-        }
-        routed = totals.routed_samples
-        if routed:
-            counts["routed_sigma_mean"] = {"drawn": totals.sigma_drawn / routed, "run": totals.sigma_run / routed}
-        return {
-            "ss_downscale_version": _version(),
-            "ss_downscale_inner": self.inner,
-            "ss_downscale_arch": self.arch,
-            "ss_downscale_gate": self.cfg.gate,
-            "ss_downscale_seed": str(self.seed),
-            "ss_downscale_routes": json.dumps([_rule_dict(r) for r in self.cfg.routes]),
-            "ss_downscale_counts": json.dumps(counts),
-            "ss_downscale_fasterdit": json.dumps({key: getattr(self.cfg, key) for key in FASTERDIT_KEYS}),
-            **self.extra_metadata,
-        }
-
-
 def _shared_seed(seed: int, accelerator: Any) -> int:
     """Rank 0's seed on every rank: unseeded sd-scripts runs draw ``args.seed`` per process (tn:502-503)."""
     if int(accelerator.num_processes) <= 1:
@@ -251,8 +133,8 @@ def _predict(
     )
 
 
-def _sampler_text(arch: str, args: Any) -> str:
-    module, contract = SAMPLER_BY_ARCH[arch]
+def _sampler_text(record: TrainerArch, args: Any) -> str:
+    module, contract = record.sampler
     if contract == "ddpm":
         return f"host {module}.get_timesteps (DDPM t → flow σ)"
     mode = "weighting_scheme=" + str(args.weighting_scheme) if contract == "sd3" else "timestep_sampling=" + str(args.timestep_sampling)
@@ -279,7 +161,7 @@ def routing(
     plan = _predict(ctx, family, cfg, arch, latent_buckets, weights, batch_size, world) if predict else None
     accounting = Accounting(
         cfg.routes,
-        FLOP_PRESETS[arch],
+        get_arch(arch).flops,
         plan.probs if plan else None,
         predicted_flop_saving=plan.flop_saving if plan else None,
         token_values=Accounting.vocabulary(latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
@@ -297,29 +179,31 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     ctx = find_trainer()
     if ctx is None or ctx.accelerator is None:
         raise HostError(f"prepare_network: no sd-scripts NetworkTrainer.train (with its accelerator) in the calling frames; {SUPPORTED}")
-    arch = detect_arch(ctx.trainer, args)
+    record = detect_arch(ctx.trainer, args)
+    arch = record.arch
     if cfg.arch is not None and cfg.arch != arch:
         raise HostError(
             f"arch: the config says {cfg.arch!r} but this run is {arch!r} ({type(ctx.trainer).__name__}); remove arch or fix it"
         )
-    family = make_family(arch)
-    options = step_options(cfg, arch)
+    family = make_family(record)
+    options = step_options(cfg, record)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
     for note in host_warnings(args, arch, cfg, world):
         logger.warning("downscale_plugin: %s", note)
     seed = _shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
     buckets = dataset_buckets(ctx.dataset_group, get_arch(arch).vae_factor)
-    router, plan, accounting = routing(ctx, family, cfg, arch, seed, buckets)
-    run = DownscaleRun(cfg, arch, inner, seed, accelerator, accounting)
+    run = DownscaleRun(cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets))
+    router, plan = run.router, run.plan
     session = None
     if cfg.mode == "map":
-        from .sd_scripts_map import MapSession  # the estimator and the plots load for a map run only
+        from .map import MapSession  # the estimator and the plots load for a map run only
 
-        session = MapSession(run, ctx, family, buckets)
+        session = MapSession(run, ctx, family, buckets, record)
     hook = (session.make_hook if session else DownscaleHook)(
         router, family, options=options, rank=rank, world_size=world, on_step=run.on_step, step_logs=run.step_logs
     )
+    run.hook = hook
     try:
         _install_hook(hook, ctx.trainer)
     except AttributeError as err:
@@ -329,8 +213,8 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     _wrap_save_and_end(network, accelerator, run, args)
     if rank == 0:
         head = (
-            f"downscale_plugin {_version()}: {arch} ({type(ctx.trainer).__name__}), inner network {inner}, gate {cfg.gate}, "
-            f"seed {seed}, {world} process(es); σ from {_sampler_text(arch, args)}; "
+            f"downscale_plugin {version()}: {arch} ({type(ctx.trainer).__name__}), inner network {inner}, gate {cfg.gate}, "
+            f"seed {seed}, {world} process(es); σ from {_sampler_text(record, args)}; "
             + ", ".join(f"{key} {getattr(cfg, key)}" for key in FASTERDIT_KEYS)
         )
         rules = "\n".join(f"  r{i} {r.label} {r.window_text()} {r.span or ''}" for i, r in enumerate(cfg.routes))

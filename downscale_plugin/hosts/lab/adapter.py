@@ -16,22 +16,22 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ..accounting import Accounting, FlopModel, StepRecord
-from ..config import DownscaleConfig
-from ..grid import ARCHS, ArchSpec, get_arch
-from ..lab import flux_train_utils, flux_utils
-from ..lab import trainer as lab_trainer
-from ..lab.data import FACTOR, LabData
-from ..lab.model import LabModelConfig, flop_shape
-from ..plan import Plan, plan_table
-from ..router import RouteDecision, Router
-from ..sigma import SigmaSampler
-from .families import FlowFamily
-from .hook import DownscaleHook, StepOptions
+from ...accounting import Accounting, StepRecord
+from ...arch import ARCHS, ArchSpec, get_arch
+from ...config import DownscaleConfig
+from ...flops import FlopModel
+from ...lab import flux_train_utils, flux_utils
+from ...lab import trainer as lab_trainer
+from ...lab.data import FACTOR, LabData
+from ...lab.model import LabModelConfig, flop_shape
+from ...plan import Plan, plan_table
+from ...router import RouteDecision, Router
+from ...sigma import SigmaSampler
+from ..sd_scripts.families import FlowFamily
+from ..sd_scripts.hook import DownscaleHook, StepOptions
 
-LAB_ARCH = ArchSpec("lab", multiple=2, patch=2, vae_factor=FACTOR)
 # The lab trainer keeps the Flux trainer contract: Flux packing (patch 2) and ids from flux_utils.prepare_img_ids.
-LAB_POSITIONS_ARCH = get_arch("flux")
+LAB_ARCH = ArchSpec("lab", multiple=2, patch=2, vae_factor=FACTOR, positions="img_ids")
 
 
 def lab_sampler(args: argparse.Namespace) -> SigmaSampler:
@@ -97,7 +97,7 @@ class LabPlugin:
             token_values=Accounting.vocabulary(self.buckets, self.cfg.routes, self.arch, self.cfg.tier_tolerance),
             sigma_policy=self.cfg.sigma_policy,
         )
-        options = StepOptions.from_config(self.cfg, loss_module=lab_trainer, positions_arch=LAB_POSITIONS_ARCH, positions_module=flux_utils)
+        options = StepOptions.from_config(self.cfg, loss_module=lab_trainer, positions_arch=LAB_ARCH, positions_module=flux_utils)
         hook = DownscaleHook(
             router, FlowFamily(flux_train_utils, "flux"), options=options, on_step=self._on_step, step_logs=self._step_logs
         )

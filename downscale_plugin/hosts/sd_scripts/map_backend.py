@@ -4,7 +4,7 @@ Probes are single samples cut from the run's own first batches, whatever a batch
 latents or images, cached text-encoder outputs or token ids), so every draw runs the trainer's own
 ``process_batch``: latents, text conditioning, ``get_noise_pred_and_target``, and the host's loss
 with its weighting, masks and per-sample loss weights. The arm's grid and the map's σ reach the
-host through the plugin's step hook (``hosts/sd_scripts_map.MapHook``): it area-downsamples the
+host through the plugin's step hook (``map.MapHook``): it area-downsamples the
 latents the host hands it, as a routed training step does, and replays σ through the host sampler
 slot with ``families.py``'s ``bind(...).replay``.
 
@@ -15,7 +15,7 @@ of the full weight gradient G, so the cosines still compare full-weight gradient
 coordinates. ``describe`` reports how many adapter tensors are all zero.
 
 Arms: native, plain latent-area, and (``map_reenc``/``map_pixel``, for hosts whose VAE
-:class:`HostVae` drives: ``VAE_BY_ARCH`` in ``hosts/sd_scripts.py``) the VAE arms, built once per probe
+:class:`HostVae` drives: ``TrainerArch.vae_calls`` in ``facts.py``) the VAE arms, built once per probe
 from its latent z (cached latents, before the trainer's shift/scale; a probe of images is encoded first),
 with the VAE called as the host's latent cache calls it: ``reenc`` = encode(decode(z)),
 ``pixel_<r>`` = encode(area-downsample(decode(z)) to the target grid × the VAE factor). Their latents
@@ -33,8 +33,9 @@ from typing import Any
 
 import torch
 
-from ..grid import area_downsample, get_arch, target_grid
-from .arms import PLAIN, Arm
+from ...arch import get_arch
+from ...grid import area_downsample, target_grid
+from ...mapping.arms import PLAIN, Arm
 
 Forcing = Callable[[tuple[int, int] | None, float], AbstractContextManager]
 
@@ -87,7 +88,7 @@ class VaeCalls:
     text: str
 
 
-# Convention → calls (which architecture has which: ``VAE_BY_ARCH`` in ``hosts/sd_scripts.py``).
+# Convention → calls (which architecture has which: ``TrainerArch.vae_calls`` in ``facts.py``).
 VAE_CALLS = {
     # Flux's AutoEncoder (FluxLatentsCachingStrategy), SD3's SDVAE (Sd3LatentsCachingStrategy; raw, process_in comes later)
     "direct": VaeCalls(lambda vae, x: vae.encode(x), lambda vae, z: vae.decode(z), "vae.encode(x) / vae.decode(z)"),

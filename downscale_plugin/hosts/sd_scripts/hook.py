@@ -33,12 +33,13 @@ from typing import Any
 
 import torch
 
-from ..config import POSITIONS, SIGMA_POLICIES, DownscaleConfig
-from ..fasterdit.direction_loss import direction_loss_scope
-from ..fasterdit.policies import RunningStd, make_policy
-from ..fasterdit.positions import positions_scope, require_interpolate
-from ..grid import ArchSpec, area_downsample, tokens
-from ..router import RouteDecision, Router
+from ...arch import ArchSpec
+from ...config import POSITIONS, SIGMA_POLICIES, DownscaleConfig
+from ...fasterdit.direction_loss import direction_loss_scope
+from ...fasterdit.policies import RunningStd, make_policy
+from ...fasterdit.positions import positions_scope, require_interpolate
+from ...grid import area_downsample, tokens
+from ...router import RouteDecision, Router
 from .families import BoundSampler, DDPMFamily, FlowFamily
 
 logger = logging.getLogger(__name__)

@@ -27,8 +27,8 @@ from typing import Any
 
 import torch
 
-from ..scope import swap_attr
-from ..sigma import ddpm_t_to_sigma, sigma_to_ddpm_t
+from ...scope import swap_attr
+from ...sigma import ddpm_t_to_sigma, sigma_to_ddpm_t
 
 FLOW_CONTRACTS = ("flux", "lumina", "sd3")
 # Modes whose σ depends on the latent's h, w (the μ shift): candidates must keep the native grid.

@@ -14,12 +14,12 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from ..cli import fail, register
-from ..config import ConfigError, DownscaleConfig, load_config, read_plugin_toml
+from ...cli import fail
+from ...config import ConfigError, DownscaleConfig, load_config, read_plugin_toml
 
 if TYPE_CHECKING:  # the lab's dependencies (diffusers, peft) load only when the demo runs
-    from ..hosts.lab import LabPlugin
-    from .trainer import LoraResult
+    from ...lab.trainer import LoraResult
+    from .adapter import LabPlugin
 
 # The seed paper's stacked recipe, in lab pixels: a 0.75 route inside a window, a 0.875 route above
 # σ 0.5. Not certified for this model: `python -m downscale_plugin map --lab` measures that.
@@ -62,11 +62,11 @@ class DemoResult:
 
 
 def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, progress: bool = True) -> DemoResult:
-    from ..hosts.lab import LabPlugin
-    from .data import LabData, LabDataConfig
-    from .model import LabModelConfig
-    from .pretrain import load_or_pretrain
-    from .trainer import delta_cosine, native_validation_loss, train_lora
+    from ...lab.data import LabData, LabDataConfig
+    from ...lab.model import LabModelConfig
+    from ...lab.pretrain import load_or_pretrain
+    from ...lab.trainer import delta_cosine, native_validation_loss, train_lora
+    from .adapter import LabPlugin
 
     model_cfg = LabModelConfig()
     data = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
@@ -170,7 +170,7 @@ def plot_result(r: DemoResult, path: str) -> None:
     plt.close(fig)
 
 
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
+def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--quick", action="store_true", help="CI size: quick pretraining and a short fine-tune (< 1 min)")
     parser.add_argument("--steps", type=int, help=f"fine-tune steps per run (default {DemoSettings.steps}, quick {QUICK.steps})")
     parser.add_argument("--batch_size", type=int, default=1)
@@ -180,7 +180,7 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 
 
-def _run(args: argparse.Namespace) -> int:
+def run(args: argparse.Namespace) -> int:
     base = QUICK if args.quick else DemoSettings()
     steps = base.steps if args.steps is None else args.steps
     if steps < 1 or args.batch_size < 1:
@@ -198,6 +198,3 @@ def _run(args: argparse.Namespace) -> int:
     plot_result(result, args.out)
     print(f"\nplot: {args.out}   total demo time {time.perf_counter() - start:.0f} s")
     return 0
-
-
-register("demo", "train a LoRA on the built-in tiny DiT natively and with the plugin; print the comparison", _add_arguments, _run)

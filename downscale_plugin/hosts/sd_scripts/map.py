@@ -44,17 +44,18 @@ import numpy as np
 import toml
 import torch
 
-from ..accounting import Accounting
-from ..config import VAE_ARM_KEYS, load_config
-from ..grid import area_downsample, get_arch, target_grid
-from ..mapping.arms import build_arms
-from ..mapping.bins import parse_bins
-from ..mapping.sd_scripts_backend import HostVae, SdScriptsBackend, split_batch
-from ..plan import format_plan
+from ...arch import get_arch
+from ...bins import parse_bins
+from ...config import VAE_ARM_KEYS, load_config
+from ...grid import area_downsample, target_grid
+from ...mapping.arms import build_arms
+from ...plan import format_plan
+from .facts import VAE_ARCHS, HostError, TrainerArch
 from .families import DDPMFamily, FlowFamily
 from .hook import DownscaleHook, fork_devices
-from .sd_scripts import VAE_ARCHS, VAE_BY_ARCH, HostError, TrainerContext
-from .sd_scripts_run import DownscaleRun, routing
+from .map_backend import HostVae, SdScriptsBackend, split_batch
+from .run import DownscaleRun
+from .trainer import TrainerContext
 
 logger = logging.getLogger(__name__)
 
@@ -101,27 +102,19 @@ def preserved_rng(devices: list[int]) -> Iterator[None]:
         np.random.set_state(numpy_state)
 
 
-def carry_native(old: Accounting, new: Accounting) -> None:
-    """Count the native steps before the map (an accounting without routes) in ``new`` (native: its last slot)."""
-    state = old.state()
-    pad = len(new.rules) - len(old.rules)
-    for key in ("steps", "samples", "loss_sum", "loss_count"):
-        state[key] = [0.0] * pad + state[key]
-    state["window"] = [(0.0, 0.0)] * pad + state["window"]
-    new.merge(state)
-
-
 class MapSession:
     """One map run's state; see the module docstring. ``buckets`` is ``dataset_buckets``' answer."""
 
-    def __init__(self, run: DownscaleRun, ctx: TrainerContext, family: FlowFamily | DDPMFamily, buckets: tuple[list, list, int]):
+    def __init__(
+        self, run: DownscaleRun, ctx: TrainerContext, family: FlowFamily | DDPMFamily, buckets: tuple[list, list, int], record: TrainerArch
+    ):
         missing = [name for name in MAP_PACKAGES if importlib.util.find_spec(name) is None]
         if missing:
             raise HostError(f'mode = "map": {", ".join(missing)} not installed; the map needs them: pip install "downscale-plugin[map]"')
-        from ..mapping.estimator import MapSettings
+        from ...mapping.estimator import MapSettings
 
         cfg = run.cfg
-        self.run, self.ctx, self.family, self.buckets = run, ctx, family, buckets
+        self.run, self.ctx, self.family, self.buckets, self.record = run, ctx, family, buckets, record
         self.arms = build_arms(cfg.map_ratios, pixel=cfg.map_pixel, reenc=cfg.map_reenc)
         self.bins = parse_bins(cfg.map_bins)
         self.settings = MapSettings(
@@ -141,7 +134,7 @@ class MapSession:
 
     def problems(self) -> list[str]:
         """What makes this map impossible in this run, found before any compute."""
-        from ..mapping.estimator import MapInputError, check_inputs
+        from ...mapping.estimator import MapInputError, check_inputs
 
         cfg, run, args = self.run.cfg, self.run, self.ctx.args
         problems = []
@@ -253,8 +246,8 @@ class MapSession:
 
     def measure(self, arguments: dict[str, Any]) -> tuple[Any, dict[str, str]]:
         """Run the map on the first ``map_images`` probes with the trainer's own step; write every output."""
-        from ..mapping.estimator import MapInputError, run_map
-        from ..mapping.report import console_table, write_outputs
+        from ...mapping.estimator import MapInputError, run_map
+        from ...mapping.report import console_table, write_outputs
 
         trainer, accelerator = self.ctx.trainer, arguments["accelerator"]
         host_step = type(trainer).process_batch  # the host's own, without any plugin wrapper
@@ -265,7 +258,7 @@ class MapSession:
         if any(a.kind in ("reenc", "pixel") for a in self.arms):
             if arguments["vae"] is None:
                 raise HostError(f'mode = "map": {" / ".join(VAE_ARM_KEYS)}: the trainer passed no VAE to process_batch')
-            vae = HostVae(arguments["vae"], VAE_BY_ARCH[self.run.arch], accelerator.device, self.devices)
+            vae = HostVae(arguments["vae"], self.record.vae_calls, accelerator.device, self.devices)
         backend = SdScriptsBackend(
             self.probes[: self.settings.images],
             lambda probe: host_step(trainer, probe, **rest),
@@ -313,15 +306,12 @@ class MapSession:
 
     def train_with(self, result: Any, windows_path: str) -> None:
         """Make the windows TOML the run's routes: router, plan, accounting, metadata; log them."""
-        from ..mapping.windows import stack_windows
+        from ...mapping.windows import stack_windows
 
         derived = load_config(plugin_toml=toml.load(windows_path))
         run = self.run
-        cfg = run.cfg.with_routes(derived.routes)
-        router, plan, accounting = routing(self.ctx, self.family, cfg, run.arch, run.seed, self.buckets)
-        carry_native(run.accounting, accounting)
-        run.cfg, run.accounting, run.totals = cfg, accounting, accounting
-        self.hook.router = router
+        plan = run.retarget(derived.routes)
+        cfg = run.cfg
         s = self.settings
         run.extra_metadata["ss_downscale_map"] = json.dumps(
             {

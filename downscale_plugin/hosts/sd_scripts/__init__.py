@@ -1,0 +1,90 @@
+"""sd-scripts host: the ``--network_module downscale_plugin`` entry points (host-sd-scripts contract in
+``docs/ARCHITECTURE.md``).
+
+``create_network`` / ``create_network_from_weights`` have the host's exact signatures. They pop the
+plugin's keys, build the network with the inner module (``inner=`` or auto-detected from the
+denoiser's class name) and return **that object itself**: the host type-checks it on save/resume,
+DDP and DeepSpeed wrap it, and several inner modules override ``state_dict``. In a training run
+they attach ``prepare_network(args)`` to it (chaining one the inner has). Outside a trainer, and
+for ``for_inference=True`` (``--base_weights`` merges, ``gen_img.py``), they only delegate.
+
+What a training run installs (``start.py``) is imported only when a run starts, so inference tools
+that import this module only delegate.
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+from ..kohya import network_args_dict, plugin_config, split_network_args
+from .facts import INNER_BY_DENOISER, KNOWN_INNERS, HostError
+from .trainer import TrainerContext, find_trainer
+
+
+def inner_module(name: str | None, unet: Any) -> tuple[str, ModuleType]:
+    """Import the inner module: ``name``, else the one for this denoiser class."""
+    if name is None:
+        name = INNER_BY_DENOISER.get(type(unet).__name__)
+        if name is None:
+            raise HostError(
+                f"inner: cannot tell the inner network module from the denoiser class {type(unet).__name__!r} "
+                f"(known: {', '.join(INNER_BY_DENOISER)}); set inner=MODULE in --network_args (choices: {', '.join(KNOWN_INNERS)})"
+            )
+    if name.split(".")[0] == __name__.split(".")[0]:
+        raise HostError(f"inner: {name!r} is this plugin itself; choose a LoRA module (choices: {', '.join(KNOWN_INNERS)})")
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        raise HostError(f"inner: cannot import {name!r} ({err}); choices: {', '.join(KNOWN_INNERS)}") from err
+    missing = [f for f in ("create_network", "create_network_from_weights") if not callable(getattr(module, f, None))]
+    if missing:
+        raise HostError(f"inner: {name!r} has no {' or '.join(missing)}: not a network module; choices: {', '.join(KNOWN_INNERS)}")
+    return name, module
+
+
+def _inner_name(plugin_keys: dict[str, str], ctx: TrainerContext | None) -> str | None:
+    """The requested inner module: in a run from any config source (validating it), else ``inner=``."""
+    return plugin_config(plugin_keys, ctx.args).inner if ctx is not None else plugin_keys.get("inner")
+
+
+def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs):
+    ctx = find_trainer()
+    plugin_keys, inner_kwargs = split_network_args(kwargs)
+    name, module = inner_module(_inner_name(plugin_keys, ctx), unet)
+    network = module.create_network(
+        multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=neuron_dropout, **inner_kwargs
+    )
+    return network if ctx is None or network is None else _attach(network, name, plugin_keys)
+
+
+def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weights_sd=None, for_inference=False, **kwargs):
+    ctx = find_trainer()
+    plugin_keys, inner_kwargs = split_network_args(kwargs)
+    config_keys = plugin_keys
+    if ctx is not None and for_inference and not kwargs:
+        # A --base_weights merge gets no network_args (tn:655-656); the run's own inner= still applies.
+        config_keys = split_network_args(network_args_dict(getattr(ctx.args, "network_args", None)))[0]
+    name, module = inner_module(_inner_name(config_keys, ctx), unet)
+    network, weights_sd = module.create_network_from_weights(
+        multiplier, file, vae, text_encoder, unet, weights_sd=weights_sd, for_inference=for_inference, **inner_kwargs
+    )
+    if ctx is not None and not for_inference:  # --dim_from_weights: this is the training network (tn:671-672)
+        network = _attach(network, name, plugin_keys)
+    return network, weights_sd
+
+
+def _attach(network: Any, inner_name: str, plugin_keys: dict[str, str]) -> Any:
+    """Give the inner network a ``prepare_network(args)`` (instance attribute; an inner one runs first)."""
+    previous = getattr(network, "prepare_network", None)
+
+    def prepare_network(args: Any) -> None:
+        from .start import start  # the run's machinery (plan, accounting) only loads for training
+
+        if previous is not None:
+            previous(args)
+        start(network, inner_name, plugin_keys, args)
+
+    network.prepare_network = prepare_network
+    return network

@@ -1,0 +1,100 @@
+"""The running sd-scripts trainer, as the network module finds it: its frame, record, σ family, handles.
+
+The trainer instance is never passed to the network module; it is the ``self`` of
+``NetworkTrainer.train`` in the caller frames (the class may live in ``__main__``, so the plugin
+never imports ``train_network``).
+"""
+
+from __future__ import annotations
+
+import importlib
+import inspect
+from dataclasses import dataclass
+from types import ModuleType
+from typing import Any
+
+from ...arch import get_arch
+from ...config import DownscaleConfig
+from .facts import LOSS_HANDLE, SUPPORTED, HostError, TrainerArch, trainer_arch
+from .families import DDPMFamily, FlowFamily
+from .hook import StepOptions
+
+
+@dataclass(frozen=True)
+class TrainerContext:
+    """What ``NetworkTrainer.train``'s frame holds when it calls the network module (tn:491-697).
+
+    ``frame`` is that frame itself, read again at the first train step for the loop's position
+    (``resume.py``); ``current_step`` is the loop's multiprocessing Value, set to ``global_step``
+    every step; ``dataset_group`` is ``train_dataset_group`` (deleted from the frame later).
+    """
+
+    trainer: Any
+    args: Any
+    accelerator: Any
+    weight_dtype: Any
+    current_step: Any
+    dataset_group: Any
+    frame: Any = None
+
+
+def find_trainer() -> TrainerContext | None:
+    """The nearest caller frame that is a sd-scripts trainer's ``train`` (duck-typed), else None."""
+    frame = inspect.currentframe()
+    try:
+        while frame is not None:
+            me = frame.f_locals.get("self") if frame.f_code.co_name == "train" else None
+            if callable(getattr(me, "process_batch", None)) and callable(getattr(me, "get_noise_pred_and_target", None)):
+                loc = frame.f_locals
+                return TrainerContext(
+                    me,
+                    loc.get("args"),
+                    loc.get("accelerator"),
+                    loc.get("weight_dtype"),
+                    loc.get("current_step"),
+                    loc.get("train_dataset_group"),
+                    frame,
+                )
+            frame = frame.f_back
+        return None
+    finally:
+        del frame
+
+
+def detect_arch(trainer: Any, args: Any) -> TrainerArch:
+    return trainer_arch(trainer, getattr(args, "model_type", None))
+
+
+def make_family(record: TrainerArch) -> FlowFamily | DDPMFamily:
+    """The σ sampler family of an architecture, bound to the host's module (the one the trainer uses)."""
+    module_name, contract = record.sampler
+    try:
+        module = importlib.import_module(module_name)
+        return DDPMFamily(module) if contract == "ddpm" else FlowFamily(module, contract)
+    except (ImportError, AttributeError) as err:
+        raise HostError(f"{record.arch}: missing hook point: {err}; {SUPPORTED}") from err
+
+
+def _handle_module(arch: str, name: str, attr: str) -> ModuleType:
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        raise HostError(f"{arch}: missing hook point: {err}; {SUPPORTED}") from err
+    if not callable(getattr(module, attr, None)):
+        raise HostError(f"{arch}: missing hook point: {name}.{attr}; {SUPPORTED}")
+    return module
+
+
+def step_options(cfg: DownscaleConfig, record: TrainerArch) -> StepOptions:
+    """The run's FasterDiT options bound to this host's handles (imported only when an option needs them)."""
+    handles: dict[str, Any] = {}
+    if cfg.direction_loss_weight:
+        handles["loss_module"] = _handle_module(record.arch, *LOSS_HANDLE)
+    if cfg.positions == "interpolate":
+        handles["positions_arch"] = get_arch(record.arch)
+        if record.positions_handle is not None:
+            handles["positions_module"] = _handle_module(record.arch, *record.positions_handle)
+    try:
+        return StepOptions.from_config(cfg, **handles)
+    except ValueError as err:
+        raise HostError(str(err)) from err

@@ -28,6 +28,7 @@ import torch
 from .arch import ArchSpec, get_arch
 from .config import DownscaleConfig, RouteRule
 from .grid import rule_ratio, target_grid
+from .rng import forked, seed_forked
 
 SigmaDraw = Callable[[int], torch.Tensor]
 
@@ -90,7 +91,7 @@ class Router:
         resume_offset: int = 0,
         max_tries: int = 8,
         tier_tolerance: float = 0.1,
-        devices: Sequence[int] = (),
+        devices: Sequence[torch.device] = (),
     ):
         if gate not in ("coupled", "strict"):
             raise ValueError(f"gate: {gate!r} is not allowed (allowed: coupled, strict)")
@@ -102,7 +103,7 @@ class Router:
         self.resume_offset = int(resume_offset)
         self.max_tries = int(max_tries)
         self.tier_tolerance = float(tier_tolerance)
-        self.devices = list(devices)
+        self.devices = tuple(devices)
         self._eligible: dict[tuple[int, int], tuple[_Active, ...]] = {}
         if any(r.span is not None and r.span.mode != "spread" for r in self.rules) and self.total_forwards <= 0:
             raise ValueError("early/late spans need total_forwards = max_train_steps × gradient_accumulation_steps > 0")
@@ -162,25 +163,13 @@ class Router:
         first: Callable[[], torch.Tensor] | None = None,
     ) -> RouteDecision:
         active = self.active(latent_hw, step)
-        with torch.random.fork_rng(devices=self.devices):
+        with forked(self.devices):
             host = (first() if first is not None else draw(batch_size)).reshape(-1)
             if not active:
                 return RouteDecision(-1, None, host, None)
             if self.gate == "strict":
                 return self._strict(host, active)
             return self._coupled(draw, host, active, step, rank, world_size)
-
-    def _seed(self, value: int) -> None:
-        """Seed exactly the generators ``route`` forked (CPU and ``devices``), nothing else.
-
-        ``torch.manual_seed`` would also reseed every other accelerator's generator, which the fork
-        does not restore: a host drawing its noise there would get a stream reset to a function of
-        (seed, step), identical on every rank.
-        """
-        torch.default_generator.manual_seed(value)
-        for device in self.devices:
-            with torch.cuda.device(device):
-                torch.cuda.manual_seed(value)
 
     def _decision(self, index: int, active: Sequence[_Active], sigmas: torch.Tensor, **extra) -> RouteDecision:
         for a in active:
@@ -202,13 +191,13 @@ class Router:
         if batch == 1 and world_size == 1:
             return self._decision(int(cats[0]), active, host, lead=float(host[0]))
         idx = self.resume_offset + step
-        self._seed(_mix(self.seed, idx, _LEAD_STREAM))
+        seed_forked(_mix(self.seed, idx, _LEAD_STREAM), self.devices)
         lead = draw(1).reshape(-1)
         category = int(self.categories(lead, active)[0])
         missing = (cats != category).nonzero().flatten()
         if missing.numel() == 0:
             return self._decision(category, active, host, lead=float(lead[0]))
-        self._seed(_mix(self.seed, idx, rank, _PRIVATE_STREAM))
+        seed_forked(_mix(self.seed, idx, rank, _PRIVATE_STREAM), self.devices)
         sigmas = host.clone()
         filled = 0
         for attempt in range(self.max_tries):

@@ -151,7 +151,7 @@ class MapBackend(Protocol):
     ``trainable_parameters()`` only. An arm's σ policy and positions travel in its ``arm_input``.
     """
 
-    rng_devices: Sequence[int]
+    rng_devices: Sequence[torch.device]
 
     def describe(self) -> dict[str, Any]:
         """Provenance: model, adapter, data, native grid (goes into every output file)."""

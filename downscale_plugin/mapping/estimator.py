@@ -42,6 +42,7 @@ from scipy import stats
 from tqdm.auto import tqdm
 
 from ..bins import SigmaBins
+from ..rng import forked, seed_forked
 from .arms import NATIVE_A, NATIVE_B, PLAIN, Arm, MapBackend, plain_sibling
 
 TRIM = 1.5  # |excess| beyond this is an estimator failure, not a gap (anchor: 36-40 of 40 kept)
@@ -212,8 +213,8 @@ def collect(
             for arm in arms:
                 acc = [None, None]
                 for d, sigma in enumerate(sigmas):
-                    with torch.random.fork_rng(devices=list(backend.rng_devices)):
-                        torch.manual_seed(_seed(settings.seed, image, b, arm_key(arm), d))
+                    with forked(backend.rng_devices):
+                        seed_forked(_seed(settings.seed, image, b, arm_key(arm), d), backend.rng_devices)
                         loss = backend.loss(image, inputs[arm.name], sigma)
                     flat = flat_grad(loss, params)
                     acc[d % 2] = flat if acc[d % 2] is None else acc[d % 2] + flat

@@ -50,6 +50,7 @@ from ...fasterdit.stats import Moments
 from ...grid import area_downsample, target_grid, tokens
 from ...lab.data import FACTOR
 from ...mapping.arms import SMALL_KINDS, Arm
+from ...rng import forked, seed_forked
 from ..sd_scripts.families import FlowFamily
 
 PROBE_STREAM = 0x9B0BE  # probe crops come from their own data stream, never the warm-up batches
@@ -172,15 +173,15 @@ class LabBackend:
         self._data_desc = f"lab corpus ({len(data.names)} sources: {', '.join(data.names)})"
         family = FlowFamily(flux_train_utils, "flux")
         self.sampler = family.bind(self.args, self.noise_scheduler, self.probes[0]["latents"], self.accelerator.device, torch.float32)
-        with torch.random.fork_rng(devices=[]):
+        with forked():
             self.sampler.first()  # records the host's output dtypes for the replay; RNG use is forked away
 
     def _warm_up(self, data: Any) -> list[float]:
         """A few native AdamW steps through the trainer's own ``process_batch`` (seeded, RNG forked)."""
         optimizer = torch.optim.AdamW(self.params, lr=self.cfg.warm_lr)
         losses = []
-        with torch.random.fork_rng(devices=[]):
-            torch.manual_seed(self.cfg.seed)
+        with forked():
+            seed_forked(self.cfg.seed)
             for step in range(self.cfg.warm_steps):
                 batch = data.batch(step, self.cfg.warm_batch, self.cfg.seed)
                 loss = self.trainer.process_batch(

@@ -223,11 +223,3 @@ class DownscaleHook:
             return nullcontext()
         model = accelerator.unwrap_model(unet) if unet is not None else None
         return positions_scope(self.options.positions_arch, native_hw, run_hw, model=model, module=self.options.positions_module)
-
-
-def fork_devices(device: torch.device | str) -> list[int]:
-    """CUDA device indices ``torch.random.fork_rng`` must save for σ draws made on ``device``."""
-    device = torch.device(device)
-    if device.type != "cuda":
-        return []
-    return [device.index if device.index is not None else torch.cuda.current_device()]

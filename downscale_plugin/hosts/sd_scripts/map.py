@@ -33,14 +33,12 @@ import json
 import logging
 import math
 import os
-import random
 import sys
 import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import Any
 
-import numpy as np
 import toml
 import torch
 
@@ -50,9 +48,10 @@ from ...config import VAE_ARM_KEYS, load_config
 from ...grid import area_downsample, target_grid
 from ...mapping.arms import build_arms
 from ...plan import format_plan
+from ...rng import accelerator_devices, forked
 from .facts import VAE_ARCHS, HostError, TrainerArch
 from .families import DDPMFamily, FlowFamily
-from .hook import DownscaleHook, fork_devices
+from .hook import DownscaleHook
 from .map_backend import HostVae, SdScriptsBackend, split_batch
 from .run import DownscaleRun
 from .trainer import TrainerContext
@@ -82,24 +81,12 @@ class MapHook(DownscaleHook):
         target_hw, sigma = self.forced
         args, accelerator, noise_scheduler, latents = call[:4]
         sampler = self.family.bind(args, noise_scheduler, latents, accelerator.device, call[8])
-        with torch.random.fork_rng(devices=fork_devices(accelerator.device)):
+        with forked(accelerator_devices(accelerator.device)):
             sampler.first()  # records the host's output dtypes for the replay
         keys = self.family.remember(sampler, noise_scheduler, torch.tensor([sigma], dtype=torch.float64))
         small = latents if target_hw is None else area_downsample(latents, target_hw)
         with sampler.replay(keys):
             return original(args, accelerator, noise_scheduler, small, *call[4:], is_train=True)
-
-
-@contextmanager
-def preserved_rng(devices: list[int]) -> Iterator[None]:
-    """Torch's CPU and ``devices`` generators and Python's and NumPy's global RNG, as they were."""
-    python_state, numpy_state = random.getstate(), np.random.get_state()
-    try:
-        with torch.random.fork_rng(devices=devices):
-            yield
-    finally:
-        random.setstate(python_state)
-        np.random.set_state(numpy_state)
 
 
 class MapSession:
@@ -121,7 +108,7 @@ class MapSession:
             margin=cfg.map_margin, draws=cfg.map_draws, images=cfg.map_images, seed=run.seed, simultaneous=cfg.map_simultaneous
         )
         self.out_dir = os.path.abspath(cfg.map_out)
-        self.devices = fork_devices(ctx.accelerator.device)
+        self.devices = accelerator_devices(ctx.accelerator.device)
         self.batches_needed = math.ceil(cfg.map_images / max(buckets[2], 1))
         problems = self.problems()
         if problems:
@@ -271,7 +258,7 @@ class MapSession:
             self.run.seed,
         )
         t0 = time.perf_counter()
-        with preserved_rng(self.devices):
+        with forked(self.devices):
             try:
                 result = run_map(backend, self.arms, self.bins, self.settings, provenance={"command": self.command()})
             except MapInputError as err:

@@ -36,6 +36,7 @@ import torch
 from ...arch import get_arch
 from ...grid import area_downsample, target_grid
 from ...mapping.arms import PLAIN, Arm
+from ...rng import forked, seed_forked
 
 Forcing = Callable[[tuple[int, int] | None, float], AbstractContextManager]
 
@@ -109,10 +110,10 @@ class HostVae:
     ``key``, so an arm's latent is reproducible and the run's RNG untouched. Decoded pixels are clamped to
     the [-1, 1] range the encoder is trained on."""
 
-    def __init__(self, vae: Any, calls: str, device: torch.device | str, rng_devices: Sequence[int]):
+    def __init__(self, vae: Any, calls: str, device: torch.device | str, rng_devices: Sequence[torch.device]):
         if calls not in VAE_CALLS:
             raise ValueError(f"HostVae: calls {calls!r} unknown; allowed: {', '.join(VAE_CALLS)}")
-        self.vae, self.calls, self.device, self.rng_devices = vae, VAE_CALLS[calls], torch.device(device), list(rng_devices)
+        self.vae, self.calls, self.device, self.rng_devices = vae, VAE_CALLS[calls], torch.device(device), tuple(rng_devices)
 
     @contextmanager
     def _on_device(self) -> Iterator[torch.nn.Module]:
@@ -130,8 +131,8 @@ class HostVae:
 
     @torch.no_grad()
     def encode(self, pixels: torch.Tensor, key: int) -> torch.Tensor:
-        with self._on_device() as vae, torch.random.fork_rng(devices=self.rng_devices):
-            torch.manual_seed(key)
+        with self._on_device() as vae, forked(self.rng_devices):
+            seed_forked(key, self.rng_devices)
             return self.calls.encode(vae, pixels.to(self.device, vae.dtype))
 
 
@@ -151,7 +152,7 @@ class SdScriptsBackend:
         forcing: Forcing,
         params: Sequence[torch.nn.Parameter],
         arch: str,
-        rng_devices: Sequence[int],
+        rng_devices: Sequence[torch.device],
         info: Mapping[str, Any],
         vae: HostVae | None = None,
         seed: int = 0,

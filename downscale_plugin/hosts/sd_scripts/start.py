@@ -30,12 +30,13 @@ from ...accounting import Accounting
 from ...arch import get_arch
 from ...config import DownscaleConfig
 from ...plan import Plan, format_plan, plan_table
+from ...rng import accelerator_devices, forked, seed_forked
 from ...router import RouteDecision, Router
 from ..kohya import plugin_config
 from .buckets import dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
 from .families import GRID_DEPENDENT_MODES, DDPMFamily, FlowFamily
-from .hook import DownscaleHook, fork_devices
+from .hook import DownscaleHook
 from .run import FASTERDIT_KEYS, DownscaleRun, version
 from .trainer import TrainerContext, detect_arch, find_trainer, make_family, step_options
 
@@ -85,8 +86,8 @@ class HostSampler:
         grid_dependent = getattr(self.args, "timestep_sampling", None) in GRID_DEPENDENT_MODES
         key = (n, seed, tuple(latent_hw) if grid_dependent else None)
         if key not in self.cache:
-            with torch.random.fork_rng(devices=[]):
-                torch.manual_seed(seed)
+            with forked():  # the host's sampler draws on the CPU here; forked() also keeps random/NumPy
+                seed_forked(seed)
                 bound = self.family.bind(self.args, self.noise_scheduler, torch.zeros(1, 1, *latent_hw), "cpu", self.dtype)
                 self.cache[key] = torch.cat([bound.draw(min(_MC_CHUNK, n - i)) for i in range(0, n, _MC_CHUNK)]).float()
         return self.cache[key]
@@ -153,7 +154,7 @@ def routing(
     latent_buckets, weights, batch_size = buckets
     accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     router = HostRouter.from_config(
-        cfg, arch, seed, total_forwards=int(args.max_train_steps) * accumulation, devices=fork_devices(accelerator.device)
+        cfg, arch, seed, total_forwards=int(args.max_train_steps) * accumulation, devices=accelerator_devices(accelerator.device)
     )
     router.host = (args, ctx.current_step)
     predict = int(accelerator.process_index) == 0 and (cfg.mode == "train" or bool(cfg.routes))

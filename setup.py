@@ -1,6 +1,50 @@
+import os
 import re
 
-from setuptools import find_packages, setup
+from setuptools import Command, find_packages, setup
+from setuptools.command.build import build
+
+# The startup check (downscale_plugin_startup.py): a .pth file in site-packages imports it at every
+# interpreter start; it does nothing unless the command line names downscale_plugin, then it fails a
+# bad plugin config before the trainer loads a model. The line is guarded, so a half-removed install
+# never prints an error at Python startup.
+PTH_NAME = "downscale_plugin_startup.pth"
+PTH_LINE = "import sys; exec('try:\\n import downscale_plugin_startup\\nexcept ImportError:\\n pass')\n"
+
+
+class build_pth(Command):
+    """Write the .pth file next to the packages: into the wheel's root (purelib) for ``pip install .``,
+    and into the editable wheel's root for ``pip install -e .`` (setuptools installs the editable
+    wheel's root files into site-packages, as it does with its own ``__editable__`` .pth)."""
+
+    description = "write downscale_plugin_startup.pth into the installation root"
+    user_options = []
+
+    def initialize_options(self):
+        self.build_lib = None
+        self.editable_mode = False
+
+    def finalize_options(self):
+        self.set_undefined_options("build", ("build_lib", "build_lib"))
+
+    def _target(self):
+        if self.editable_mode:
+            return self.get_finalized_command("install").install_lib  # editable_wheel: the unpacked wheel
+        return self.build_lib
+
+    def run(self):
+        target = self._target()
+        os.makedirs(target, exist_ok=True)
+        with open(os.path.join(target, PTH_NAME), "w", encoding="utf-8") as f:
+            f.write(PTH_LINE)
+
+    def get_outputs(self):
+        return [os.path.join(self._target(), PTH_NAME)]
+
+
+class build_with_pth(build):
+    sub_commands = [*build.sub_commands, ("build_pth", None)]
+
 
 VERSION = re.search(r'^__version__ = "([^"]+)"', open("downscale_plugin/__init__.py", encoding="utf-8").read(), re.M).group(1)
 
@@ -13,6 +57,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["downscale_plugin", "downscale_plugin.*"]),
+    py_modules=["downscale_plugin_startup"],
+    cmdclass={"build": build_with_pth, "build_pth": build_pth},
     # torch and toml are in every sd-scripts environment; users bring their own torch build.
     install_requires=["torch>=2.1", "toml>=0.10"],
     extras_require={
@@ -31,6 +77,6 @@ setup(
         "map": ["scipy>=1.10", "matplotlib>=3.7"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },
-    entry_points={"console_scripts": ["downscale-plugin=downscale_plugin.cli:main"]},
+    entry_points={"console_scripts": ["downscale-plugin=downscale_plugin.__main__:main"]},
     classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3"],
 )

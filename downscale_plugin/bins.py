@@ -87,8 +87,10 @@ def parse_bins(text: str, endpoint: bool = True) -> SigmaBins:
         if ":" in text or text.count(",") == 2 and _is_segment(text):
             edges: list[float] = []
             for seg in text.split(":"):
-                lo, hi, k = seg.split(",")
-                lo_f, hi_f, k_i = float(lo), float(hi), int(k)
+                parts = seg.split(",")
+                if len(parts) != 3:
+                    raise ValueError(f"segment {seg!r} must be LO,HI,K (3 numbers, got {len(parts)})")
+                lo_f, hi_f, k_i = _number(parts[0], seg), _number(parts[1], seg), _number(parts[2], seg, int)
                 if k_i < 1:
                     raise ValueError(f"segment {seg!r}: K must be >= 1")
                 if edges and abs(edges[-1] - lo_f) > 1e-12:
@@ -97,10 +99,19 @@ def parse_bins(text: str, endpoint: bool = True) -> SigmaBins:
                 start = [lo_f] if not edges else []
                 edges += start + [lo_f + step * (j + 1) for j in range(k_i - 1)] + [hi_f]
         else:
-            edges = [float(x) for x in text.split(",")]
+            edges = [_number(x) for x in text.split(",")]
     except ValueError as err:
         raise ValueError(f"bins: {text!r}: {err} (form 'LO,HI,K:LO,HI,K' or an edge list '0,0.25,0.5,1')") from None
     return SigmaBins(tuple(round(x, 12) for x in edges), endpoint)
+
+
+def _number(text: str, segment: str | None = None, kind: type = float) -> float:
+    """``kind(text)``; the ValueError names the text (and its segment), not Python's conversion."""
+    try:
+        return kind(text.strip())
+    except ValueError:
+        what = "an integer" if kind is int else "a number"
+        raise ValueError(f"{text.strip()!r}{f' in segment {segment!r}' if segment else ''} is not {what}") from None
 
 
 def _is_segment(text: str) -> bool:

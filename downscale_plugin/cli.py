@@ -1,7 +1,8 @@
 """Command line of downscale-plugin: ``check`` and ``plan`` here; other modules register more commands.
 
 A command is one :func:`register` call (name, help, add_arguments, run) made when its module is
-imported; list that module in :data:`EXTENSIONS` and ``main`` imports it before parsing. A host
+imported; the front door (``downscale_plugin/__main__.py``) imports every such module before it calls
+:func:`main`, so this core module names no feature or host. A host
 package adds its parts to the commands here the same way: :func:`register_host` gives ``check``
 its training-config reader and ``plan`` (and ``snr``) the host's σ samplers and buckets.
 """
@@ -9,7 +10,6 @@ its training-config reader and ``plan`` (and ``snr``) the host's σ samplers and
 from __future__ import annotations
 
 import argparse
-import importlib
 import os
 import sys
 from collections.abc import Callable, Mapping, Sequence
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .arch import ARCH_NAMES
-from .config import ConfigError, DownscaleConfig, load_config, read_plugin_toml
+from .config import ConfigError, DownscaleConfig, format_problems, load_config, read_plugin_toml
 from .plan import Sampler, format_plan, plan_table
 
 
@@ -29,15 +29,6 @@ class Command:
 
 
 COMMANDS: dict[str, Command] = {}
-
-# Modules whose import registers commands or host parts (imported by ``build_parser``). Their heavy
-# dependencies (the lab extra, scipy) load when a command runs, which then says what to install.
-EXTENSIONS = (
-    "downscale_plugin.hosts.sd_scripts.cli",
-    "downscale_plugin.hosts.lab.cli",
-    "downscale_plugin.mapping.cli",
-    "downscale_plugin.fasterdit.cli",
-)
 
 
 def register(
@@ -62,9 +53,7 @@ def _needing_extras(name: str, run: Callable[[argparse.Namespace], int]) -> Call
 
 
 def fail(problems: Sequence[str]) -> int:
-    print(f"downscale_plugin: {len(problems)} problem(s):", file=sys.stderr)
-    for p in problems:
-        print(f"  - {p}", file=sys.stderr)
+    print(format_problems(problems), file=sys.stderr)
     return 2
 
 
@@ -119,7 +108,8 @@ class HostPart:
     ``add_sampler_arguments``: its σ-sampler options (each overriding the training TOML; ``snr``);
     ``add_arguments``: those and its bucket and run-length options (``plan``);
     ``sampler(arch, host)`` → (sampler, description); ``plan_inputs(args, host, arch)``;
-    ``latent_scale(arch)``: what the trainer multiplies cached latents by (``snr``).
+    ``latent_scale(arch)``: what the trainer multiplies cached latents by (``snr``);
+    ``read_command_line(argv)`` → (config, merged host args): ``check -- TRAINER COMMAND`` (None: not offered).
     """
 
     name: str
@@ -130,6 +120,7 @@ class HostPart:
     sampler: Callable[[str, HostArgs], tuple[Sampler, str]]
     plan_inputs: Callable[[argparse.Namespace, HostArgs, str], PlanInputs]
     latent_scale: Callable[[str], float]
+    read_command_line: Callable[[Sequence[str]], tuple[DownscaleConfig, dict[str, Any]]] | None = None
 
 
 HOSTS: dict[str, HostPart] = {}
@@ -174,9 +165,40 @@ def _routes_text(cfg: DownscaleConfig) -> list[str]:
     return lines
 
 
+def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_mutually_exclusive_group()
+    group.add_argument("--config_file", metavar="TRAIN_TOML", help="training TOML ([plugins.downscale] and/or network_args)")
+    group.add_argument("--config", metavar="PLUGIN_TOML", help="plugin TOML, the plugin's keys at top level")
+    if len(HOSTS) > 1:
+        parser.add_argument("--host", choices=list(HOSTS), default=next(iter(HOSTS)), help="the trainer (default %(default)s)")
+    parser.add_argument(
+        "trainer_command",
+        nargs="*",
+        metavar="-- TRAINER COMMAND",
+        help="the training command line after '--', e.g. -- TRAINER.py --config_file train.toml "
+        "--network_module downscale_plugin --network_args ds_gate=strict (a launcher in front is fine)",
+    )
+
+
+def _check_config(args: argparse.Namespace) -> tuple[DownscaleConfig, str]:
+    if args.trainer_command:
+        if args.config_file or args.config:
+            raise ConfigError(["check: give --config_file, --config or -- TRAINER COMMAND, not both"])
+        part = host_part(args)
+        if part.read_command_line is None:
+            raise ConfigError([f"check: {part.name} does not read a trainer's command line; use --config_file"])
+        cfg, merged = part.read_command_line(args.trainer_command)
+        config_file = merged.get("config_file")
+        return cfg, f"the command line{f' with {config_file}' if config_file else ''}"
+    if not (args.config_file or args.config):
+        raise ConfigError(["check: give --config_file TRAIN_TOML, --config PLUGIN_TOML or -- TRAINER COMMAND"])
+    cfg, _, path = load_cli_config(args)
+    return cfg, path
+
+
 def _run_check(args: argparse.Namespace) -> int:
     try:
-        cfg, _, path = load_cli_config(args)
+        cfg, path = _check_config(args)
     except ConfigError as err:
         return fail(err.problems)
     sources = ", ".join(cfg.sources) or "defaults"
@@ -260,13 +282,16 @@ def _run_plan(args: argparse.Namespace) -> int:
     return 0
 
 
-register("check", "validate a config and print its routes (exit 2 listing every problem)", add_config_arguments, _run_check)
+register(
+    "check",
+    "validate a config, or a whole training command line after '--', and print its routes (exit 2 listing every problem)",
+    _add_check_arguments,
+    _run_check,
+)
 register("plan", "predict route frequencies and savings for the host's σ sampler and buckets", _add_plan_arguments, _run_plan)
 
 
 def build_parser() -> argparse.ArgumentParser:
-    for module in EXTENSIONS:
-        importlib.import_module(module)
     parser = argparse.ArgumentParser(prog="python -m downscale_plugin", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     for name, cmd in COMMANDS.items():

@@ -21,7 +21,7 @@ import math
 import os
 import random
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any
 
 import toml
@@ -118,67 +118,55 @@ class RouteRule:
         return f"({self.sigma_min:g}, {hi}"
 
 
+def _key(default: Any, kind: str, allowed: Any = None, help: str = "") -> Any:
+    """A config field that carries its own schema: how a value is parsed and checked, and what it means."""
+    return field(default=default, metadata={"kind": kind, "allowed": allowed, "help": help})
+
+
 @dataclass(frozen=True)
 class DownscaleConfig:
-    enable: bool = True
-    gate: str = "coupled"
-    routes: tuple[RouteRule, ...] = ()
-    seed: int | None = None
-    max_tries: int = 8
-    tier_tolerance: float = 0.1
-    arch: str | None = None
-    inner: str | None = None
-    direction_loss_weight: float = 0.0
-    direction_loss_only_routed: bool = False
-    sigma_policy: str = "keep"
-    positions: str = "plain"
-    mode: str = "train"
-    after_map: str = "stop"
-    map_ratios: tuple[float, ...] = DEFAULT_MAP_RATIOS
-    map_bins: str = DEFAULT_BINS
-    map_draws: int = 8
-    map_images: int = 8
-    map_margin: float = 0.05
-    map_simultaneous: bool = False
-    map_out: str | None = None
-    map_reenc: bool = False
-    map_pixel: bool = False
+    """The plugin's settings; each field's metadata is its key's schema (kind, allowed values, help)."""
+
+    enable: bool = _key(True, "bool", help="turn the plugin off without removing the config")
+    gate: str = _key("coupled", "enum", GATES, "coupled: exact σ marginal at any batch size; strict: every σ in the window")
+    routes: tuple[RouteRule, ...] = _key((), "routes", help="router rules in priority order")
+    seed: int | None = _key(None, "int", (0, None), "seeds the coupled gate's per-step draws (default: the run's --seed)")
+    max_tries: int = _key(8, "int", (1, 64), "rejection rounds of the coupled gate before the rest is drawn directly")
+    tier_tolerance: float = _key(0.1, "float", (0.0, 0.5), "a bucket is in tier E when √(W·H) is within this fraction of E")
+    arch: str | None = _key(None, "enum", ARCH_NAMES, "the architecture (default: detected from the trainer)")
+    inner: str | None = _key(None, "str", help="inner network module (default: the trainer's own LoRA module)")
+    direction_loss_weight: float = _key(0.0, "float_min", 0.0, "FasterDiT's direction-loss λ (0: off)")
+    direction_loss_only_routed: bool = _key(False, "bool", help="add the direction term only on routed steps")
+    sigma_policy: str = _key("keep", "enum", SIGMA_POLICIES, "σ a routed step runs at")
+    positions: str = _key("plain", "enum", POSITIONS, "position ids of a routed step")
+    mode: str = _key("train", "enum", MODES, "map: measure the gradient map in this run and derive the windows")
+    after_map: str = _key("stop", "enum", AFTER_MAP, "after the map: stop, or train on with the derived windows")
+    map_ratios: tuple[float, ...] = _key(DEFAULT_MAP_RATIOS, "ratios", help="the map's linear ratios")
+    map_bins: str = _key(DEFAULT_BINS, "bins", help="the map's σ bins")
+    map_draws: int = _key(8, "int", (2, 4096), "noise draws per arm and bin (even)")
+    map_images: int = _key(8, "int", (2, None), "probe samples from the run's first batches")
+    map_margin: float = _key(0.05, "float", (0.0, 1.0), "the margin ε a safe bin's upper bound must stay below")
+    map_simultaneous: bool = _key(False, "bool", help="bounds simultaneous over all bins of an arm")
+    map_out: str | None = _key(None, "str", help="directory for the map's files")
+    map_reenc: bool = _key(False, "bool", help="add the VAE re-encode control arm")
+    map_pixel: bool = _key(False, "bool", help="add the pixel-downscale-then-encode arms")
     sources: tuple[str, ...] = field(default=(), compare=False)
 
     def with_routes(self, routes: Sequence[RouteRule]) -> DownscaleConfig:
         return replace(self, routes=tuple(routes))
 
 
-# ---------------------------------------------------------------------------------------------
-# Key table: name -> (kind, allowed values or range, help). One table drives parsing, checking
-# and the did-you-mean suggestions for every source.
-
+# The keys every source accepts, from the fields above, plus the one key that names a source.
 _TOP_KEYS: dict[str, tuple[str, Any]] = {
-    "enable": ("bool", None),
-    "gate": ("enum", GATES),
-    "routes": ("routes", None),
-    "seed": ("int", (0, None)),
-    "max_tries": ("int", (1, 64)),
-    "tier_tolerance": ("float", (0.0, 0.5)),
-    "arch": ("enum", ARCH_NAMES),
-    "inner": ("str", None),
-    "downscale_config": ("str", None),
-    "direction_loss_weight": ("float_min", 0.0),
-    "direction_loss_only_routed": ("bool", None),
-    "sigma_policy": ("enum", SIGMA_POLICIES),
-    "positions": ("enum", POSITIONS),
-    "mode": ("enum", MODES),
-    "after_map": ("enum", AFTER_MAP),
-    "map_ratios": ("ratios", None),
-    "map_bins": ("bins", None),
-    "map_draws": ("int", (2, 4096)),
-    "map_images": ("int", (2, None)),
-    "map_margin": ("float", (0.0, 1.0)),
-    "map_simultaneous": ("bool", None),
-    "map_out": ("str", None),
-    "map_reenc": ("bool", None),
-    "map_pixel": ("bool", None),
+    f.name: (f.metadata["kind"], f.metadata["allowed"]) for f in fields(DownscaleConfig) if "kind" in f.metadata
 }
+_TOP_KEYS["downscale_config"] = ("str", None)
+
+
+def config_keys() -> dict[str, str]:
+    """Every config key and its help (the README's key table lists exactly these)."""
+    keys = {f.name: f.metadata["help"] for f in fields(DownscaleConfig) if "kind" in f.metadata}
+    return {**keys, "downscale_config": "a plugin TOML with the same keys at its top level"}
 
 
 def _suggest(key: str, choices: Sequence[str]) -> str:
@@ -190,20 +178,45 @@ def _unknown(where: str, key: str, choices: Sequence[str]) -> str:
     return f"{where}{key}: unknown key{_suggest(key, choices)} (allowed: {', '.join(sorted(choices))})"
 
 
+def _number_text(text: str, what: str = "") -> float:
+    try:
+        return float(text.strip())
+    except ValueError:
+        raise ValueError(f"{what + ' ' if what else ''}{text.strip()!r} is not a number") from None
+
+
 def _from_string(kind: str, text: str) -> Any:
-    """Convert a network_args string to the schema type, strictly (no silent coercion)."""
+    """Convert a network_args string to the schema type, strictly (no silent coercion); a ValueError
+    says what the text is not and the form allowed."""
     if kind == "bool":
         low = text.strip().lower()
         if low in ("true", "false"):
             return low == "true"
         raise ValueError(f"{text!r} is not a boolean (allowed: true, false)")
     if kind == "int":
-        return int(text.strip())
+        try:
+            return int(text.strip())
+        except ValueError:
+            raise ValueError(f"{text.strip()!r} is not an integer") from None
     if kind in ("float", "float_min"):
-        return float(text.strip())
+        return _number_text(text)
     if kind == "ratios":
+        bad = [x.strip() for x in text.split(",") if x.strip() and not _is_number_text(x)]
+        if bad:
+            raise ValueError(
+                f"{', '.join(map(repr, bad))} {'is' if len(bad) == 1 else 'are'} not a number "
+                "(form: comma-separated linear ratios, e.g. 0.875,0.75,0.5)"
+            )
         return [float(x) for x in text.split(",") if x.strip()]
     return text.strip()
+
+
+def _is_number_text(text: str) -> bool:
+    try:
+        float(text.strip())
+    except ValueError:
+        return False
+    return True
 
 
 def _check_scalar(key: str, kind: str, allowed: Any, value: Any, problems: list[str]) -> Any:
@@ -293,32 +306,50 @@ def parse_route_edges(text: str) -> tuple[int, int]:
     return native, target
 
 
+ROUTES_STRING_FORM = (
+    "ROUTE@LO-HI[@SPAN] entries, comma-separated: ROUTE is NATIVE:TARGET (tier edges in px) or xSCALE, "
+    "LO- leaves the window open at the top, SPAN is early[:f], late[:f] or spread[:p]; "
+    "e.g. 1024:768@0.65-0.95,1024:896@0.5-@late:0.75"
+)
+
+
+def _route_entry(entry: str) -> dict[str, Any]:
+    """One ``ROUTE@LO-HI[@SPAN]`` entry as a route table; a ValueError says what is wrong with it."""
+    fields = entry.split("@")
+    if len(fields) not in (2, 3):
+        raise ValueError(f"has {len(fields) - 1} '@'; it must be 'ROUTE@LO-HI' or 'ROUTE@LO-HI@SPAN'")
+    route, window = fields[0].strip(), fields[1].strip()
+    table: dict[str, Any] = {}
+    if route.startswith("x"):
+        table["scale"] = _number_text(route[1:], "scale")
+    else:
+        table["route"] = route
+    lo, sep, hi = window.partition("-")
+    if not sep:
+        raise ValueError(f"window {window!r} must be 'LO-HI' or 'LO-'")
+    table["sigma_min"] = _number_text(lo, "sigma_min")
+    if hi.strip():
+        table["sigma_max"] = _number_text(hi, "sigma_max")
+    if len(fields) == 3:
+        table["span"] = fields[2]
+    return table
+
+
 def parse_routes_string(text: str) -> list[dict[str, Any]]:
     """Parse the network_args form ``ROUTE@LO-HI[@SPAN],...`` into route tables.
 
     ROUTE is ``NATIVE:TARGET`` or ``xSCALE``; ``LO-`` leaves the window open at the top.
-    Example: ``1024:768@0.65-0.95,1024:896@0.5-@late:0.75``.
+    Example: ``1024:768@0.65-0.95,1024:896@0.5-@late:0.75``. A ValueError names every malformed
+    entry, what is wrong with it and the form allowed.
     """
-    tables = []
+    tables, bad = [], []
     for entry in filter(None, (e.strip() for e in text.split(","))):
-        fields = entry.split("@")
-        if len(fields) not in (2, 3):
-            raise ValueError(f"{entry!r} must be 'ROUTE@LO-HI' or 'ROUTE@LO-HI@SPAN'")
-        route, window = fields[0], fields[1]
-        table: dict[str, Any] = {}
-        if route.startswith("x"):
-            table["scale"] = float(route[1:])
-        else:
-            table["route"] = route
-        lo, sep, hi = window.partition("-")
-        if not sep:
-            raise ValueError(f"{entry!r}: window {window!r} must be 'LO-HI' or 'LO-'")
-        table["sigma_min"] = float(lo)
-        if hi:
-            table["sigma_max"] = float(hi)
-        if len(fields) == 3:
-            table["span"] = fields[2]
-        tables.append(table)
+        try:
+            tables.append(_route_entry(entry))
+        except ValueError as err:
+            bad.append(f"entry {entry!r}: {err}")
+    if bad:
+        raise ValueError("; ".join(bad) + f" (form: {ROUTES_STRING_FORM})")
     return tables
 
 
@@ -427,11 +458,10 @@ def _normalize_source(raw: Mapping[str, Any], source: str, problems: list[str], 
     """Check one source's keys and types; network_args strings are converted first."""
     out: dict[str, Any] = {}
     for key, value in raw.items():
+        # network_args problems name the key as the user typed it (ds_gate, not gate)
+        shown = network_arg_name(key) if strings else key
         if key not in _TOP_KEYS:
-            shown = NETWORK_ARGS_PREFIX + key if strings and key not in UNPREFIXED_NETWORK_ARGS else key
-            choices = (
-                [NETWORK_ARGS_PREFIX + k if k not in UNPREFIXED_NETWORK_ARGS else k for k in _TOP_KEYS] if strings else list(_TOP_KEYS)
-            )
+            choices = [network_arg_name(k) for k in _TOP_KEYS] if strings else list(_TOP_KEYS)
             problems.append(f"[{source}] " + _unknown("", shown, choices))
             continue
         kind, allowed = _TOP_KEYS[key]
@@ -439,7 +469,7 @@ def _normalize_source(raw: Mapping[str, Any], source: str, problems: list[str], 
             try:
                 value = parse_routes_string(value) if kind == "routes" else _from_string(kind, value)
             except ValueError as err:
-                problems.append(f"[{source}] {key}: {err}")
+                problems.append(f"[{source}] {shown}: {err}")
                 continue
         if kind == "routes":
             if not isinstance(value, list):
@@ -448,12 +478,22 @@ def _normalize_source(raw: Mapping[str, Any], source: str, problems: list[str], 
             out[key] = value
             continue
         n_before = len(problems)
-        checked = _check_scalar(key, kind, allowed, value, problems)
+        checked = _check_scalar(shown, kind, allowed, value, problems)
         if len(problems) > n_before:
             problems[-1] = f"[{source}] {problems[-1]}"
             continue
         out[key] = checked
     return out
+
+
+def network_arg_name(key: str) -> str:
+    """A plugin key as it is spelled in ``--network_args`` (``gate`` → ``ds_gate``; ``inner`` stays)."""
+    return key if key in UNPREFIXED_NETWORK_ARGS else NETWORK_ARGS_PREFIX + key
+
+
+def format_problems(problems: Sequence[str]) -> str:
+    """The report every front end prints for a :class:`ConfigError` (``check``, the startup check)."""
+    return "\n".join([f"downscale_plugin: {len(problems)} problem(s):", *(f"  - {p}" for p in problems)])
 
 
 def read_plugin_toml(path: str) -> dict[str, Any]:

@@ -6,6 +6,7 @@ import textwrap
 import pytest
 
 from downscale_plugin import cli
+from downscale_plugin.__main__ import load_commands, main
 from downscale_plugin.sigma import SigmaSampler
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -51,7 +52,7 @@ def _write(tmp_path, name, text):
 
 
 def _run(capsys, *argv):
-    code = cli.main(list(argv))
+    code = main(list(argv))
     out, err = capsys.readouterr()
     return code, out, err
 
@@ -121,9 +122,62 @@ def test_check_rejects(tmp_path, capsys, text, message):
 def test_check_missing_file_and_missing_option(tmp_path, capsys):
     code, _, err = _run(capsys, "check", "--config", str(tmp_path / "nope.toml"))
     assert code == 2 and "file not found" in err
-    with pytest.raises(SystemExit) as exc:
-        cli.main(["check"])
-    assert exc.value.code == 2
+    code, _, err = _run(capsys, "check")  # no source: exit 2 with the problem, as for a bad config
+    assert code == 2 and "give --config_file" in err
+
+
+def test_check_a_whole_trainer_command_line(tmp_path, capsys):
+    """``check -- SCRIPT ARGS``: the training TOML, with the command line over it, as the run reads them."""
+    path = _write(tmp_path, "train.toml", TRAIN)
+    code, out, err = _run(capsys, "check", "--", "flux_train_network.py", "--config_file", path, "--network_args", "ds_gate=strict")
+    assert code == 0, err
+    assert out.startswith(f"config OK: the command line with {path}") and "gate strict" in out and "seed the run's --seed" in out
+    assert "r1  1024:896" in out  # the TOML's routes; the command line's network_args replaced the TOML's (ds_seed=7)
+
+
+def test_check_a_launcher_command_line_without_the_toml_suffix(tmp_path, capsys):
+    path = _write(tmp_path, "train.toml", TRAIN)
+    argv = ["accelerate", "launch", "--config_file", "accelerate.yaml", "flux_train_network.py", "--config_file", path[: -len(".toml")]]
+    code, out, err = _run(capsys, "check", "--", *argv)
+    assert code == 0, err
+    assert "seed 7" in out  # the TOML's network_args: the launcher's own --config_file is not the trainer's
+
+
+def test_check_a_command_line_lists_every_problem(tmp_path, capsys):
+    path = _write(tmp_path, "train.toml", TRAIN.replace('gate = "coupled"', 'gate = "fast"'))
+    argv = ["flux_train_network.py", "--config_file", path, "--network_args", "ds_max_tries=many", "ds_routes=1024:768@a-0.95", "oops"]
+    code, out, err = _run(capsys, "check", "--", *argv)
+    assert code == 2 and not out
+    assert err.startswith("downscale_plugin: 4 problem(s):"), err
+    for fragment in (
+        "network_args: 'oops' is not of the form key=value",
+        "[network_args] ds_max_tries: 'many' is not an integer",
+        "[network_args] ds_routes: entry '1024:768@a-0.95': sigma_min 'a' is not a number",
+        "[plugins.downscale] gate: 'fast' is not allowed",
+    ):
+        assert fragment in err, (fragment, err)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["x.py", "--network_module", "networks.lora_flux"], "--network_module is 'networks.lora_flux'"),
+        (["x.py", "--network_args", "ds_gate=strict"], "no --network_module"),
+        (["x.py", "--network_module", "downscale_plugin", "--config_file", "nope.toml"], "config_file: file not found: nope.toml"),
+        (["x.py", "--network_module"], "command line: argument --network_module: expected one argument"),
+    ],
+)
+def test_check_a_command_line_that_does_not_train_with_the_plugin(capsys, argv, message):
+    code, _, err = _run(capsys, "check", "--", *argv)
+    assert code == 2 and message in err, err
+
+
+def test_check_needs_one_source(tmp_path, capsys):
+    code, _, err = _run(capsys, "check")
+    assert code == 2 and "give --config_file TRAIN_TOML, --config PLUGIN_TOML or -- TRAINER COMMAND" in err
+    path = _write(tmp_path, "train.toml", TRAIN)
+    code, _, err = _run(capsys, "check", "--config_file", path, "--", "x.py", "--config_file", path)
+    assert code == 2 and "not both" in err
 
 
 def test_plan_prints_the_probabilities(tmp_path, capsys):
@@ -197,7 +251,7 @@ def test_plan_reports_bad_host_values(tmp_path, capsys):
 
 
 def test_commands_register_from_other_modules(monkeypatch):
-    cli.build_parser()  # imports the EXTENSIONS modules, which register their commands
+    load_commands()  # the front door imports the command modules, which register their commands
     assert {"check", "plan", "snr"} <= set(cli.COMMANDS)
     monkeypatch.setattr(cli, "COMMANDS", dict(cli.COMMANDS))
     seen = []

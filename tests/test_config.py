@@ -108,18 +108,21 @@ BAD = {
         plugin_toml('routes = [{route = "1024:768", sigma_min = "0.6"}]'),
         ["routes[0].sigma_min", "must be a number"],
     ),
-    "enable-yes-in-network_args": (ds_args(enable="yes", routes="1024:768@0.6-"), ["[network_args] enable", "not a boolean"]),
-    "max_tries-not-int-in-network_args": (ds_args(max_tries="abc", routes="1024:768@0.6-"), ["[network_args] max_tries"]),
+    "enable-yes-in-network_args": (ds_args(enable="yes", routes="1024:768@0.6-"), ["[network_args] ds_enable", "not a boolean"]),
+    "max_tries-not-int-in-network_args": (
+        ds_args(max_tries="abc", routes="1024:768@0.6-"),
+        ["[network_args] ds_max_tries: 'abc' is not an integer"],
+    ),
     "routes-not-array": ({"table": {"routes": ROUTE}}, ["[plugins.downscale] routes", "array of tables"]),
     "route-entry-not-table": (with_routes("1024:768@0.6-"), ["routes[0]: must be a table"]),
     "route-name-not-string": (with_routes({**ROUTE, "name": 3}), ["routes[0].name", "must be a string"]),
     "inner-empty": (with_routes(ROUTE, inner=""), ["[plugins.downscale] inner", "non-empty"]),
     # network_args route strings
-    "ds_routes-no-dash": (ds_args(routes="1024:768@0.65"), ["[network_args] routes", "'LO-HI' or 'LO-'"]),
-    "ds_routes-no-window": (ds_args(routes="1024:768"), ["[network_args] routes", "'ROUTE@LO-HI'"]),
-    "ds_routes-too-many-fields": (ds_args(routes="1024:768@0.6-0.9@late@x"), ["[network_args] routes", "'ROUTE@LO-HI'"]),
-    "ds_routes-bad-number": (ds_args(routes="1024:768@a-0.9"), ["[network_args] routes"]),
-    "ds_routes-bad-scale": (ds_args(routes="xhalf@0.6-"), ["[network_args] routes"]),
+    "ds_routes-no-dash": (ds_args(routes="1024:768@0.65"), ["[network_args] ds_routes", "'LO-HI' or 'LO-'"]),
+    "ds_routes-no-window": (ds_args(routes="1024:768"), ["[network_args] ds_routes", "'ROUTE@LO-HI'"]),
+    "ds_routes-too-many-fields": (ds_args(routes="1024:768@0.6-0.9@late@x"), ["[network_args] ds_routes", "'ROUTE@LO-HI'"]),
+    "ds_routes-bad-number": (ds_args(routes="1024:768@a-0.9"), ["[network_args] ds_routes"]),
+    "ds_routes-bad-scale": (ds_args(routes="xhalf@0.6-"), ["[network_args] ds_routes"]),
     "ds_routes-inverted": (ds_args(routes="1024:768@0.9-0.6"), ["routes[0].sigma_max", "inverted"]),
     # enable with nothing to route
     "enable-without-routes": ({"table": {"gate": "strict"}}, ["routes: at least one route is required while enable = true"]),
@@ -140,7 +143,7 @@ BAD = {
     # enums and ranges
     "bad-gate": (with_routes(ROUTE, gate="strcit"), ["[plugins.downscale] gate", "coupled, strict", "did you mean 'strict'"]),
     "bad-arch": (with_routes(ROUTE, arch="flux1"), ["[plugins.downscale] arch", "did you mean 'flux'"]),
-    "bad-arch-network_args": (ds_args(arch="sd2", routes="1024:768@0.6-"), ["[network_args] arch", "sdxl"]),
+    "bad-arch-network_args": (ds_args(arch="sd2", routes="1024:768@0.6-"), ["[network_args] ds_arch", "sdxl"]),
     "tier_tolerance-zero": (with_routes(ROUTE, tier_tolerance=0.0), ["[plugins.downscale] tier_tolerance", "out of range"]),
     "tier_tolerance-half": (with_routes(ROUTE, tier_tolerance=0.5), ["[plugins.downscale] tier_tolerance", "out of range"]),
     "tier_tolerance-negative": (with_routes(ROUTE, tier_tolerance=-0.1), ["[plugins.downscale] tier_tolerance"]),
@@ -159,15 +162,15 @@ BAD = {
     ),
     "direction_loss_weight-nan-in-network_args": (
         ds_args(direction_loss_weight="nan", routes="1024:768@0.6-"),
-        ["[network_args] direction_loss_weight", "finite number >= 0"],
+        ["[network_args] ds_direction_loss_weight", "finite number >= 0"],
     ),
     "direction_loss_weight-not-number-in-network_args": (
         ds_args(direction_loss_weight="strong", routes="1024:768@0.6-"),
-        ["[network_args] direction_loss_weight"],
+        ["[network_args] ds_direction_loss_weight"],
     ),
     "direction_loss_only_routed-yes": (
         ds_args(direction_loss_only_routed="yes", routes="1024:768@0.6-"),
-        ["[network_args] direction_loss_only_routed", "not a boolean"],
+        ["[network_args] ds_direction_loss_only_routed", "not a boolean"],
     ),
     "direction_loss_only_routed-string-in-table": (
         with_routes(ROUTE, direction_loss_only_routed="true"),
@@ -179,7 +182,7 @@ BAD = {
     ),
     "bad-positions-network_args": (
         ds_args(positions="interp", routes="1024:768@0.6-"),
-        ["[network_args] positions", "plain, interpolate"],
+        ["[network_args] ds_positions", "plain, interpolate"],
     ),
     "unknown-fasterdit-network-arg": (
         ds_args(sigma_polcy="keep", routes="1024:768@0.6-"),
@@ -191,14 +194,14 @@ BAD = {
     "map-with-routes": (with_routes(ROUTE, mode="map", map_out="m"), ['routes: not used when mode = "map"', "remove routes"]),
     "map-with-sigma_policy": ({"table": {"mode": "map", "map_out": "m", "sigma_policy": "res_shift"}}, ["sigma_policy", 'mode = "map"']),
     "bad-mode": ({"table": {"mode": "measure", "map_out": "m"}}, ["[plugins.downscale] mode", "train, map"]),
-    "bad-after_map": (ds_args(mode="map", map_out="m", after_map="continue"), ["[network_args] after_map", "stop, train"]),
+    "bad-after_map": (ds_args(mode="map", map_out="m", after_map="continue"), ["[network_args] ds_after_map", "stop, train"]),
     "map_ratios-one": ({"table": {"mode": "map", "map_out": "m", "map_ratios": [0.75, 1.0]}}, ["map_ratios", "strictly between 0 and 1"]),
     "map_ratios-empty": ({"table": {"mode": "map", "map_out": "m", "map_ratios": []}}, ["map_ratios", "non-empty list"]),
     "map_ratios-duplicate-network_args": (
         ds_args(mode="map", map_out="m", map_ratios="0.5,0.5"),
-        ["[network_args] map_ratios", "duplicates"],
+        ["[network_args] ds_map_ratios", "duplicates"],
     ),
-    "map_ratios-not-number-network_args": (ds_args(mode="map", map_out="m", map_ratios="0.5,half"), ["[network_args] map_ratios"]),
+    "map_ratios-not-number-network_args": (ds_args(mode="map", map_out="m", map_ratios="0.5,half"), ["[network_args] ds_map_ratios"]),
     "map_draws-one": ({"table": {"mode": "map", "map_out": "m", "map_draws": 1}}, ["map_draws", "out of range (allowed: 2 to 4096)"]),
     "map_draws-odd": (ds_args(mode="map", map_out="m", map_draws="5"), ["map_draws: 5 must be even"]),
     "map_images-one": ({"table": {"mode": "map", "map_out": "m", "map_images": 1}}, ["map_images", "out of range"]),
@@ -207,7 +210,7 @@ BAD = {
     "map_bins-not-string": ({"table": {"mode": "map", "map_out": "m", "map_bins": [0, 0.5, 1]}}, ["map_bins", "must be a string"]),
     "map_out-empty": ({"table": {"mode": "map", "map_out": ""}}, ["map_out", "non-empty string"]),
     "map_reenc-in-train-mode": (with_routes(ROUTE, map_reenc=True), ['map_reenc: true is only allowed with mode = "map"']),
-    "map_pixel-not-bool-network_args": (ds_args(mode="map", map_out="m", map_pixel="yes"), ["[network_args] map_pixel", "true, false"]),
+    "map_pixel-not-bool-network_args": (ds_args(mode="map", map_out="m", map_pixel="yes"), ["[network_args] ds_map_pixel", "true, false"]),
     # plugin TOML
     "plugin-toml-names-another": (
         plugin_toml('downscale_config = "other.toml"\nroutes = [{route = "1024:768", sigma_min = 0.6}]'),
@@ -239,6 +242,41 @@ def test_invalid_downscale_config_file(tmp_path):
     assert len(found) == 1 and found[0].startswith("downscale_config:") and "not valid TOML" in found[0]
 
 
+def test_bad_ds_routes_entry_names_the_key_the_entry_and_the_form():
+    found = problems(**ds_args(routes="1024:768@a-0.95"))
+    assert len(found) == 1, found
+    assert found[0].startswith("[network_args] ds_routes: entry '1024:768@a-0.95': sigma_min 'a' is not a number"), found
+    assert "ROUTE@LO-HI[@SPAN]" in found[0] and "NATIVE:TARGET" in found[0] and "xSCALE" in found[0]
+    assert "could not convert" not in found[0]
+
+
+def test_every_bad_ds_routes_entry_is_reported():
+    (found,) = problems(**ds_args(routes="1024:768@0.6-0.9,x0.5@0.2-0.b,xhalf@0.1-,1024:896@0.5"))
+    for fragment in ("entry 'x0.5@0.2-0.b': sigma_max '0.b'", "entry 'xhalf@0.1-': scale 'half'", "entry '1024:896@0.5': window '0.5'"):
+        assert fragment in found, (fragment, found)
+    assert "1024:768@0.6-0.9" not in found.split(" (form:")[0]  # the good entry is not blamed
+
+
+@pytest.mark.parametrize(
+    ("key", "value", "message"),
+    [
+        ("max_tries", "abc", "ds_max_tries: 'abc' is not an integer"),
+        ("seed", "1.5", "ds_seed: '1.5' is not an integer"),
+        ("tier_tolerance", "wide", "ds_tier_tolerance: 'wide' is not a number"),
+        ("direction_loss_weight", "strong", "ds_direction_loss_weight: 'strong' is not a number"),
+        ("map_ratios", "0.5,x", "ds_map_ratios: 'x' is not a number (form: comma-separated linear ratios"),
+        ("gate", "sometimes", "ds_gate: 'sometimes' is not allowed (allowed: coupled, strict)"),
+        ("map_bins", "0,0.5,4:0.5,x,2", "ds_map_bins: '0,0.5,4:0.5,x,2': 'x' in segment '0.5,x,2' is not a number"),
+        ("map_bins", "0,0.5:0.5,1,2", "ds_map_bins: '0,0.5:0.5,1,2': segment '0,0.5' must be LO,HI,K"),
+    ],
+)
+def test_network_args_values_are_named_as_typed(key, value, message):
+    extra = {"mode": "map", "map_out": "m"} if key.startswith("map_") else {"routes": "1024:768@0.6-"}
+    found = problems(**ds_args(**{key: value}, **extra))
+    assert any(p.startswith(f"[network_args] {message}") for p in found), found
+    assert not any("could not convert" in p or "invalid literal" in p for p in found), found
+
+
 def test_network_args_item_without_equals():
     with pytest.raises(ConfigError) as info:
         network_args_dict(["ds_gate=strict", "ds_seed"])
@@ -264,7 +302,7 @@ def test_problems_from_every_source_and_route_reported_together():
     heads = sorted(p.split(":")[0] for p in found)
     assert heads == sorted(
         [
-            "[network_args] gate",
+            "[network_args] ds_gate",
             "[plugins.downscale] seed",
             "[downscale_config] arch",
             "routes[0].sigma_max",

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import re
 
-from downscale_plugin import cli
+from downscale_plugin.__main__ import main
 
 
 def test_demo_quick_trains_both_adapters_and_reports(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("DOWNSCALE_PLUGIN_CACHE", str(tmp_path / "cache"))  # pretraining included
     png = tmp_path / "demo.png"
-    assert cli.main(["demo", "--quick", "--steps", "12", "--out", str(png), "--no-progress"]) == 0
+    assert main(["demo", "--quick", "--steps", "12", "--out", str(png), "--no-progress"]) == 0
     out = capsys.readouterr().out
     assert png.is_file() and png.stat().st_size > 10_000
     realized = [float(x) for x in re.findall(r"(?:route r\d.*|native steps): realized / predicted\s+(?:100\.0 %\s+)?([\d.]+) % /", out)]

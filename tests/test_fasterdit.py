@@ -195,7 +195,7 @@ def test_snr_match_mixture_equals_native_and_keep_does_not():
 
 def test_snr_command_writes_png_and_summary(tmp_path, capsys):
     import downscale_plugin.fasterdit.cli  # noqa: F401  (registers the command)
-    from downscale_plugin.cli import main
+    from downscale_plugin.__main__ import main
 
     gen = torch.Generator().manual_seed(2)
     for i in range(3):

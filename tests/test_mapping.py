@@ -234,7 +234,7 @@ def test_no_routes_and_no_trainable_parameters_fail_before_any_compute():
 
 def test_cli_lists_every_bad_input_and_exits_2_before_building_anything(capsys):
     import downscale_plugin.mapping.cli  # noqa: F401  (registers the command)
-    from downscale_plugin.cli import main
+    from downscale_plugin.__main__ import main
 
     argv = ["map", "--lab", "--ratios", "", "--bins", "0,0.6,0.5,1", "--draws", "1", "--images", "1", "--native_size", "63x64"]
     assert main(argv) == 2
@@ -346,7 +346,7 @@ def test_arm_names_routability_and_bad_arms():
 
 def test_cli_rejects_bad_policies_and_pixel_arms_without_a_grid(capsys):
     import downscale_plugin.mapping.cli  # noqa: F401  (registers the command)
-    from downscale_plugin.cli import main
+    from downscale_plugin.__main__ import main
 
     assert main(["map", "--lab", "--policies", "keep,warp", "--positions", "yarn"]) == 2
     assert "policies: ['warp'] not allowed (allowed: keep, res_shift, snr_match)" in capsys.readouterr().err
@@ -478,7 +478,7 @@ def test_vs_plain_is_the_paired_difference_of_debiased_excesses_with_a_t_interva
 
 def test_vs_plain_is_recomputed_from_the_cells_by_from_json(tmp_path, capsys):
     import downscale_plugin.mapping.cli  # noqa: F401  (registers the command)
-    from downscale_plugin.cli import main
+    from downscale_plugin.__main__ import main
     from downscale_plugin.mapping.report import write_json
 
     result = _hand_map()

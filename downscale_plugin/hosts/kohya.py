@@ -5,17 +5,28 @@ level into ``args`` (so ``[plugins.downscale]`` arrives as the dict ``args.downs
 hand ``--network_args`` to the network module as ``key=value`` strings. The plugin's keys among
 them carry the prefix ``ds_`` (``config.NETWORK_ARGS_PREFIX``); ``inner=`` and ``downscale_config=``
 are the two unprefixed ones.
+
+Both also take the run's whole command line: :func:`config_from_command_line` reads a trainer's
+arguments the way its parser and ``read_config_from_file`` do (for the options the plugin reads) and
+validates what the network module will read, through the same functions. ``check --`` and the
+startup check (``downscale_plugin_startup``, run by a ``.pth`` file at every interpreter start) use it.
 """
 
 from __future__ import annotations
 
+import argparse
 import os
+import types
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import toml
 
-from ..config import NETWORK_ARGS_PREFIX, UNPREFIXED_NETWORK_ARGS, ConfigError, DownscaleConfig, load_config
+from ..config import NETWORK_ARGS_PREFIX, UNPREFIXED_NETWORK_ARGS, ConfigError, DownscaleConfig, format_problems, load_config
+
+PLUGIN_MODULE = "downscale_plugin"  # the --network_module that names this plugin
+DISABLE_STARTUP_CHECK = "DOWNSCALE_PLUGIN_NO_STARTUP_CHECK"  # =1: the .pth startup check does nothing
 
 
 def split_network_args(kwargs: Mapping[str, Any]) -> tuple[dict[str, str], dict[str, Any]]:
@@ -23,12 +34,13 @@ def split_network_args(kwargs: Mapping[str, Any]) -> tuple[dict[str, str], dict[
     plugin: dict[str, str] = {}
     inner: dict[str, Any] = {}
     for key, value in kwargs.items():
-        if key.startswith(NETWORK_ARGS_PREFIX):
-            plugin[key[len(NETWORK_ARGS_PREFIX) :]] = value
-        elif key in UNPREFIXED_NETWORK_ARGS:
-            plugin[key] = value
+        name = key.strip()  # sd-scripts splits "key=value" without stripping (tn:665-668)
+        if name.startswith(NETWORK_ARGS_PREFIX):
+            plugin[name[len(NETWORK_ARGS_PREFIX) :]] = value
+        elif name in UNPREFIXED_NETWORK_ARGS:
+            plugin[name] = value
         else:
-            inner[key] = value
+            inner[key] = value  # the inner module's keys exactly as the host passes them
     return plugin, inner
 
 
@@ -47,26 +59,43 @@ def flatten_training_toml(data: Mapping[str, Any]) -> dict[str, Any]:
     return flat
 
 
-def network_args_dict(items: Sequence[str] | None) -> dict[str, str]:
-    """Parse a ``network_args`` list (``key=value`` strings), like the trainers do."""
+def _network_args_items(items: Sequence[str] | None) -> tuple[dict[str, str], list[str]]:
+    """The ``key=value`` items of a ``network_args`` list (split at the first ``=``, like the trainers), and
+    a problem for each item that has no ``=`` (the trainer would stop on it after loading the models)."""
     out: dict[str, str] = {}
+    problems = []
     for item in items or []:
-        key, sep, value = item.partition("=")
+        key, sep, value = str(item).partition("=")
         if not sep:
-            raise ConfigError([f"network_args: {item!r} is not of the form key=value"])
+            problems.append(f"network_args: {item!r} is not of the form key=value")
+            continue
         out[key.strip()] = value.strip()
+    return out, problems
+
+
+def network_args_dict(items: Sequence[str] | None) -> dict[str, str]:
+    """Parse a ``network_args`` list (``key=value`` strings), like the trainers do; ConfigError lists every bad item."""
+    out, problems = _network_args_items(items)
+    if problems:
+        raise ConfigError(problems)
     return out
 
 
-def config_from_training_toml(path: str) -> tuple[DownscaleConfig, dict[str, Any]]:
-    """Read a training TOML: returns the plugin config and the flattened host args."""
+def training_toml_path(config_file: str) -> str:
+    """The file ``read_config_from_file`` opens for ``--config_file`` (it appends ``.toml`` when missing)."""
+    return config_file if config_file.endswith(".toml") else config_file + ".toml"
+
+
+def _read_training_toml(path: str, problems: list[str]) -> dict[str, Any]:
+    """A training TOML flattened as the trainers flatten it; its problems are appended."""
     if not os.path.isfile(path):
-        raise ConfigError([f"config_file: file not found: {path}"])
+        problems.append(f"config_file: file not found: {path}")
+        return {}
     try:
         data = toml.load(path)
     except toml.TomlDecodeError as err:
-        raise ConfigError([f"config_file: {path} is not valid TOML: {err}"]) from None
-    problems = []
+        problems.append(f"config_file: {path} is not valid TOML: {err}")
+        return {}
     for name in ("downscale", "downscale_plugin"):
         if isinstance(data.get(name), dict):
             problems.append(
@@ -74,23 +103,146 @@ def config_from_training_toml(path: str) -> tuple[DownscaleConfig, dict[str, Any
                 "options; put the plugin's keys under [plugins.downscale]"
             )
     flat = flatten_training_toml(data)
-    table = flat.get("downscale")
-    if table is not None and not isinstance(table, dict):
-        problems.append(f"plugins.downscale: must be a table, got {table!r}")
-        table = None
+    if flat.get("downscale") is not None and not isinstance(flat["downscale"], dict):
+        problems.append(f"plugins.downscale: must be a table, got {flat['downscale']!r}")
+        flat.pop("downscale")
+    return flat
+
+
+def _run_config(args: Any, problems: list[str]) -> DownscaleConfig | None:
+    """What the network module validates for a run with these merged args (``create_network`` → :func:`plugin_config`)."""
+    items, bad = _network_args_items(getattr(args, "network_args", None))
+    problems.extend(bad)
+    plugin_keys, _ = split_network_args(items)
     try:
-        plugin_args, _ = split_network_args(network_args_dict(flat.get("network_args")))
+        return plugin_config(plugin_keys, args)
     except ConfigError as err:
         problems.extend(err.problems)
-        plugin_args = {}
-    try:
-        cfg = load_config(plugin_args, table, base_dir=os.path.dirname(os.path.abspath(path)))
-    except ConfigError as err:
-        problems.extend(err.problems)
-        cfg = None
+        return None
+
+
+def config_from_training_toml(path: str) -> tuple[DownscaleConfig, dict[str, Any]]:
+    """Read a training TOML: returns the plugin config and the flattened host args."""
+    problems: list[str] = []
+    flat = _read_training_toml(path, problems)
+    cfg = _run_config(types.SimpleNamespace(**{**flat, "config_file": path}), problems) if flat or not problems else None
     if problems:
         raise ConfigError(problems)
     return cfg, flat
+
+
+# -- the run's command line ----------------------------------------------------------------------
+
+
+class _Refused(Exception):
+    pass
+
+
+class _QuietParser(argparse.ArgumentParser):
+    def error(self, message: str):  # never print usage or exit: the caller decides
+        raise _Refused(message)
+
+
+def _command_parser() -> argparse.ArgumentParser:
+    """The trainer parser's options that the plugin reads (tn:1782-1808, tu:4700-4763), same spellings and
+    nargs; every other argument is left alone (``parse_known_args``)."""
+    parser = _QuietParser(add_help=False, exit_on_error=False)
+    parser.add_argument("--config_file", type=str, default=None)
+    parser.add_argument("--network_module", type=str, default=None)
+    parser.add_argument("--network_args", type=str, default=None, nargs="*")
+    parser.add_argument("--output_config", action="store_true")
+    parser.add_argument("-h", "--help", action="store_true")
+    return parser
+
+
+@dataclass(frozen=True)
+class CommandLine:
+    """A trainer's arguments, read for the plugin: the command line's own values (None: not given)."""
+
+    network_module: str | None
+    config_file: str | None
+    network_args: list[str] | None
+    output_config: bool
+    help: bool
+
+
+def trainer_arguments(argv: Sequence[str]) -> list[str]:
+    """The training script's arguments within a command line: ``argv`` may start with the script
+    (``flux_train_network.py ...``), a launcher (``accelerate launch [opts] flux_train_network.py ...``,
+    ``torchrun``, ``python``; ``sys.argv`` at startup has ``-m`` or ``-c`` in its place) or the arguments
+    themselves (``--config_file ...``)."""
+    argv = [str(a) for a in argv]
+    if not argv or (argv[0].startswith("-") and argv[0] not in ("-m", "-c", "-")):
+        return argv
+    if argv[0].endswith(".py"):
+        return argv[1:]
+    script = next((i for i, a in enumerate(argv[1:], 1) if a.endswith(".py") and not a.startswith("-")), None)
+    return argv[script + 1 :] if script is not None else argv[1:]
+
+
+def parse_command_line(arguments: Sequence[str]) -> CommandLine:
+    """The plugin's options among a training script's arguments; ConfigError when they do not parse."""
+    try:
+        known, _ = _command_parser().parse_known_args(list(arguments))
+    except (_Refused, argparse.ArgumentError) as err:
+        raise ConfigError([f"command line: {err}"]) from None
+    return CommandLine(known.network_module, known.config_file, known.network_args, known.output_config, known.help)
+
+
+def config_from_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict[str, Any]]:
+    """Validate a training command line as the run will see it: the training TOML flattened, the command
+    line over it (``read_config_from_file``), then exactly what ``create_network`` reads: ``network_args``
+    (``ds_`` keys, ``inner=``, ``downscale_config=``), ``args.downscale`` and the plugin TOML.
+
+    Returns (config, the merged host args); ConfigError lists every problem, also when the command does
+    not train ``--network_module downscale_plugin``.
+    """
+    line = parse_command_line(trainer_arguments(argv))
+    problems: list[str] = []
+    flat: dict[str, Any] = {}
+    if line.config_file:
+        flat = _read_training_toml(training_toml_path(line.config_file), problems)
+        if problems and not flat:  # missing or not TOML: nothing else is worth reporting
+            raise ConfigError(problems)
+    given = {"config_file": line.config_file, "network_module": line.network_module, "network_args": line.network_args}
+    merged = {**flat, **{key: value for key, value in given.items() if value is not None}}
+    module = merged.get("network_module")
+    if module != PLUGIN_MODULE and not problems:
+        where = "--network_module" if line.network_module is not None else "the training TOML's network_module"
+        shown = f"{where} is {module!r}" if module else "no --network_module (and none in the training TOML)"
+        raise ConfigError([f"network_module: {shown}: this command does not train with {PLUGIN_MODULE}"])
+    cfg = _run_config(types.SimpleNamespace(**merged), problems)
+    if problems:
+        raise ConfigError(problems)
+    return cfg, merged
+
+
+def startup_report(argv: Sequence[str]) -> str | None:
+    """The startup check: the report to print before exiting 2, or None (the command does not train with
+    the plugin, asks for help, writes a config, or its plugin config is valid)."""
+    try:
+        line = parse_command_line(trainer_arguments(argv))
+    except ConfigError:  # the trainer's own parser will say what is wrong with it
+        return None
+    if line.help or line.output_config:
+        return None
+    module = line.network_module
+    if module is None and line.config_file:
+        try:
+            module = flatten_training_toml(toml.load(training_toml_path(line.config_file))).get("network_module")
+        except (OSError, ValueError, TypeError):  # the trainer reports an unreadable TOML itself
+            return None
+    if module != PLUGIN_MODULE:
+        return None
+    try:
+        config_from_command_line(argv)
+    except ConfigError as err:
+        return (
+            f"{format_problems(err.problems)}\n"
+            f"{PLUGIN_MODULE}: stopped before the trainer loads any model (startup check of --network_module {PLUGIN_MODULE}; "
+            f"the same check: python -m {PLUGIN_MODULE} check -- SCRIPT ARGS...; {DISABLE_STARTUP_CHECK}=1 skips it)"
+        )
+    return None
 
 
 def plugin_config(plugin_keys: Mapping[str, str], args: Any) -> DownscaleConfig:

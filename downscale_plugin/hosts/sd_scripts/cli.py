@@ -19,9 +19,9 @@ from ...arch import get_arch
 from ...cli import HostArgs, HostPart, PlanInputs, register_host
 from ...config import ConfigError
 from ...fasterdit.cli import LatentSource, register_latent_source
-from ...plan import DdpmSampler, Sampler
-from ...sigma import CLOSED_FORM_MODES, DENSITY_SCHEMES, SigmaSampler
-from ..kohya import config_from_training_toml
+from ...plan import Sampler
+from ...sigma import CLOSED_FORM_MODES, DENSITY_SCHEMES, DdpmSampler, SigmaSampler
+from ..kohya import config_from_command_line, config_from_training_toml
 from .buckets import sd_scripts_buckets
 from .facts import ARCHS, BY_ARCH
 
@@ -217,5 +217,6 @@ register_host(
         sampler=host_sampler,
         plan_inputs=plan_inputs,
         latent_scale=lambda arch: BY_ARCH[arch].latent_scale,
+        read_command_line=config_from_command_line,
     )
 )

@@ -1,0 +1,138 @@
+"""The import rule of docs/ARCHITECTURE.md: core ← features (mapping, fasterdit) ← hosts, and the lab
+(a stand-in host trainer) imports nothing from the plugin.
+
+Every import counts, wherever it stands (module level, inside a function, ``importlib.import_module``
+with a literal name), because a lazy import is still a dependency. The package's entry files
+(``__init__`` with its lazy public names, ``__main__``) may name any layer: they are the front door.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parent.parent / "downscale_plugin"
+ENTRY_FILES = {"__init__.py", "__main__.py"}
+FEATURES = ("mapping", "fasterdit")
+
+
+def layer(module: str) -> str:
+    """``core``, ``feature``, ``host`` or ``lab`` for a dotted module name inside the package."""
+    parts = module.split(".")[1:]
+    if not parts:
+        return "entry"
+    if parts[0] in FEATURES:
+        return "feature"
+    if parts[0] in ("hosts", "lab"):
+        return "host" if parts[0] == "hosts" else "lab"
+    return "core"
+
+
+ALLOWED = {
+    "core": {"core"},
+    "feature": {"core", "feature"},
+    "host": {"core", "feature", "host", "lab"},
+    "lab": {"lab"},
+}
+
+
+def module_name(path: Path) -> str:
+    rel = path.relative_to(PACKAGE.parent).with_suffix("")
+    parts = list(rel.parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imported_modules(path: Path) -> list[tuple[int, str]]:
+    """(line, absolute module name) of every plugin module this file imports."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    package = module_name(path) if path.name == "__init__.py" else module_name(path).rpartition(".")[0]
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            found += [(node.lineno, alias.name) for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            if node.level:
+                base = package.split(".")
+                base = base[: len(base) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+            else:
+                target = node.module or ""
+            found += [(node.lineno, target)]
+            if node.module is None or node.level:  # ``from . import x``: x may be a submodule
+                found += [(node.lineno, f"{target}.{alias.name}") for alias in node.names]
+        elif isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", None)) == "import_module":
+            if node.args and isinstance(node.args[0], ast.Constant) and isinstance(node.args[0].value, str):
+                found.append((node.lineno, node.args[0].value))
+    return [(line, name) for line, name in found if name == "downscale_plugin" or name.startswith("downscale_plugin.")]
+
+
+def plugin_files() -> list[Path]:
+    return sorted(p for p in PACKAGE.rglob("*.py") if not (p.parent == PACKAGE and p.name in ENTRY_FILES))
+
+
+def violations(path: Path) -> list[str]:
+    own = layer(module_name(path))
+    out = []
+    for line, target in imported_modules(path):
+        theirs = layer(target)
+        if theirs == "entry" and own != "host" or theirs not in ALLOWED[own] | {"entry"}:
+            out.append(f"{path.relative_to(PACKAGE.parent)}:{line}: {own} imports {target} ({theirs})")
+    return out
+
+
+def test_every_layer_imports_only_downward():
+    problems = [v for path in plugin_files() for v in violations(path)]
+    assert not problems, "\n".join(problems)
+
+
+def code_strings(path: Path) -> list[tuple[int, str]]:
+    """String constants of a file that are not docstrings (docstrings may tell which host does what)."""
+    tree = ast.parse(path.read_text(encoding="utf-8"))
+    docstrings = {
+        id(node.body[0].value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Module | ast.ClassDef | ast.FunctionDef | ast.AsyncFunctionDef)
+        and node.body
+        and isinstance(node.body[0], ast.Expr)
+        and isinstance(node.body[0].value, ast.Constant)
+    }
+    return [
+        (node.lineno, node.value)
+        for node in ast.walk(tree)
+        if isinstance(node, ast.Constant) and isinstance(node.value, str) and id(node) not in docstrings
+    ]
+
+
+HOST_WORDS = ("library.", "sd_scripts", "sd-scripts", "musubi", "train_network", "downscale_plugin.hosts", "downscale_plugin.lab")
+
+
+def test_core_and_features_name_no_host():
+    """No host module name in core or feature code, not even as a string (a lookup table, a lazy import)."""
+    problems = [
+        f"{path.relative_to(PACKAGE.parent)}:{line}: {value!r}"
+        for path in plugin_files()
+        if layer(module_name(path)) in ("core", "feature")
+        for line, value in code_strings(path)
+        if any(word in value for word in HOST_WORDS)
+    ]
+    assert not problems, "\n".join(problems)
+
+
+@pytest.mark.parametrize(
+    ("source", "target", "allowed"),
+    [
+        ("downscale_plugin.router", "downscale_plugin.hosts.sd_scripts.hook", False),
+        ("downscale_plugin.mapping.windows", "downscale_plugin.hosts.lab.map_backend", False),
+        ("downscale_plugin.fasterdit.latent_stds", "downscale_plugin.lab.data", False),
+        ("downscale_plugin.lab.trainer", "downscale_plugin.grid", False),
+        ("downscale_plugin.hosts.lab.adapter", "downscale_plugin.lab.trainer", True),
+        ("downscale_plugin.fasterdit.policies", "downscale_plugin.config", True),
+    ],
+)
+def test_the_rule_itself(source, target, allowed):
+    """The checker catches the upward imports the old layout had (core → mapping, features → lab)."""
+    assert (layer(target) in ALLOWED[layer(source)]) is allowed

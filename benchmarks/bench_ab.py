@@ -12,12 +12,12 @@ space); wall saved; the routed share of plugin arms (realized and planned).
 Full runs (3 seeds × 2 arms × 600 steps at B = 1: ≈ 7–8 min on 2 quiet cores at ~0.115 s a native step,
 plus ~5 min once if the default pretrained lab DiT is not cached yet):
 
-    # issue 4, derived windows vs native. The map tool's lab windows say arch = "flux": tiers count lab
+    # the map's derived windows vs native. The map tool's lab windows say arch = "flux": tiers count lab
     # latents at 8 px per cell, so the 512 px tier is every lab bucket. They route ~3 % of steps under
     # flux_shift (0.6 % under sigmoid), so the wall saved is ~1 %, inside the timing noise.
     python benchmarks/bench_ab.py --a native --b docs/fidelity/lab_n64_d8_n16/windows.toml --sampler flux_shift \
         --seeds 0,1,2 --steps 600 --threads 2 --out /tmp/ab_windows
-    # issue 5, direction loss off vs on: a plugin TOML with only `direction_loss_weight = 1.0` (or the same
+    # FasterDiT's direction loss off vs on: a plugin TOML with only `direction_loss_weight = 1.0` (or the same
     # routes in both arms, one with the weight)
     python benchmarks/bench_ab.py --a native --b dirloss.toml --seeds 0,1,2 --steps 600 --threads 2 --out /tmp/ab_dirloss
     # a smoke run (~30 s)

@@ -1,6 +1,6 @@
 """The plugin's one configuration schema: typed, validated, merged from three sources.
 
-Sources, highest precedence first (DESIGN §3):
+Sources, highest precedence first:
 
 1. ``--network_args`` strings. Plugin keys carry the prefix ``ds_`` (``ds_gate=strict``,
    ``ds_routes=1024:768@0.65-0.95``) so they can never collide with an inner module's own keys;

@@ -1,4 +1,4 @@
-"""FasterDiT options (DESIGN §1.3, §6), each a pure function or a scoped replacement of one host handle.
+"""FasterDiT options (docs/ARCHITECTURE.md §2), each a pure function or a scoped replacement of one host handle.
 
 - ``direction_loss``: λ·(1 − cos) added to the host's elementwise loss (``direction_loss_scope``)
 - ``policies``: the σ a routed step runs at (``keep``, ``res_shift``, ``snr_match``; ``RunningStd``)

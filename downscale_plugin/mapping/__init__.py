@@ -1,4 +1,4 @@
-"""The map tool (certifier, DESIGN §5): measure how far a downscaled step's adapter gradient is from
+"""The map tool (the certifier; method and lab study in docs/FIDELITY.md): measure how far a downscaled step's adapter gradient is from
 the native one per (route, σ bin), against the native redraw floor, and derive router windows.
 
 - ``arms``: ``Arm``, ``build_arms``, the ``MapBackend`` protocol (model-agnostic)

@@ -7,7 +7,7 @@ downsample (what the plugin trains on), and, for a backend that has a VAE, a re-
 arm (the seed paper's construction, to compare with latent-area). The estimator is model-agnostic:
 it only asks a :class:`MapBackend` for each arm's input once per image and for one draw's loss.
 
-A small-grid arm (``latent``/``pixel``) may also run its step at a σ policy's σ (issue 5:
+A small-grid arm (``latent``/``pixel``) may also run its step at a σ policy's σ (fasterdit/policies.py:
 ``keep``/``res_shift``/``snr_match``; the map's bin σ is the drawn σ, as the window gate reads it)
 and with position ids interpolated to the native span (``plain``/``interpolate``). The plugin
 applies one ``sigma_policy``/``positions`` setting to every routed step, so the latent arms of each

@@ -1,6 +1,6 @@
 """From per-bin verdicts to router windows, and the windows TOML the plugin reads as is.
 
-Rules (DESIGN §5): a window is a maximal run of safe segmented bins, (lower edge of its first bin,
+Rules (docs/FIDELITY.md): a window is a maximal run of safe segmented bins, (lower edge of its first bin,
 upper edge of its last). A run reaching σ = 1 stays open at the top only when the σ = 1 endpoint
 bin is safe too (σ = 1 is its own estimand); otherwise the window stops at 1, exclusive. Routes
 are stacked deepest (smallest ratio) first, each window strict. Two constraints of the config

@@ -64,13 +64,13 @@ def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weigh
     plugin_keys, inner_kwargs = split_network_args(kwargs)
     config_keys = plugin_keys
     if ctx is not None and for_inference and not kwargs:
-        # A --base_weights merge gets no network_args (tn:655-656); the run's own inner= still applies.
+        # A --base_weights merge gets no network_args (train_network.py merges --base_weights before it parses them); the run's own inner= still applies.
         config_keys = split_network_args(network_args_dict(getattr(ctx.args, "network_args", None)))[0]
     name, module = inner_module(_inner_name(config_keys, ctx), unet)
     network, weights_sd = module.create_network_from_weights(
         multiplier, file, vae, text_encoder, unet, weights_sd=weights_sd, for_inference=for_inference, **inner_kwargs
     )
-    if ctx is not None and not for_inference:  # --dim_from_weights: this is the training network (tn:671-672)
+    if ctx is not None and not for_inference:  # --dim_from_weights: this is the training network (train_network.py builds it from the weights file)
         network = _attach(network, name, plugin_keys)
     return network, weights_sd
 

@@ -1,6 +1,6 @@
 """``mode = "map"`` in an sd-scripts run: the gradient map on the run's own model, network and data.
 
-Timeline (one process; DESIGN §5):
+Timeline (one process; docs/FIDELITY.md has the method):
 
 1. ``start`` (``prepare_network``) builds a :class:`MapSession`. The router has no routes yet, so
    the first steps run native, bitwise the host's. What the run's buckets and length already show

@@ -22,7 +22,7 @@ from .hook import StepOptions
 
 @dataclass(frozen=True)
 class TrainerContext:
-    """What ``NetworkTrainer.train``'s frame holds when it calls the network module (tn:491-697).
+    """What ``NetworkTrainer.train``'s frame holds when it calls the network module (``train_network.py``, between building the datasets and ``prepare_network``).
 
     ``frame`` is that frame itself, read again at the first train step for the loop's position
     (``resume.py``); ``current_step`` is the loop's multiprocessing Value, set to ``global_step``

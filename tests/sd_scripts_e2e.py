@@ -19,7 +19,12 @@ real loader reads a tiny checkpoint written here. Tokenizers are built locally (
 After training it checks the saved LoRA: the inner module loads it, and its metadata carries the
 ``ss_downscale_*`` keys. ``map-stop`` / ``map-train`` run the plugin with ``mode = "map"`` instead of
 routes: the map's files must be written, ``stop`` must end the script with exit 0 and no weights,
-``train`` must save a LoRA routed by the derived windows. Prints ``E2E OK`` on success.
+``train`` must save a LoRA routed by the derived windows. ``record`` passes the arguments after it
+to the script (``--gradient_accumulation_steps 2 --resume DIR ...``) and writes ``WORK/record.json``:
+every train step's route decision in order, the saved LoRA's ``ss_downscale_*`` metadata and the
+accelerator's state hooks left at the end; the caller checks them (``E2E_IMAGES``, ``E2E_REPEATS``,
+``E2E_STEPS`` and ``E2E_ROUTES`` set the dataset, ``max_train_steps`` and the plugin table). Prints
+``E2E OK`` on success.
 """
 
 from __future__ import annotations
@@ -40,8 +45,10 @@ from PIL import Image
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
-STEPS = 8
-ROUTES = """
+STEPS = int(os.environ.get("E2E_STEPS", 8))
+IMAGES = int(os.environ.get("E2E_IMAGES", 2))
+REPEATS = int(os.environ.get("E2E_REPEATS", 4))
+DEFAULT_ROUTES = """
 [plugins.downscale]
 gate = "coupled"
 
@@ -54,6 +61,7 @@ sigma_max = 0.9
 route = "128:64"                  # ... and at 0.5 (8x8) for the rest of σ > 0.3
 sigma_min = 0.3
 """
+ROUTES = os.environ.get("E2E_ROUTES") or DEFAULT_ROUTES
 
 
 MAP = """
@@ -75,7 +83,7 @@ def write_images(root: Path) -> Path:
     images = root / "img" / "4_tiny"
     images.mkdir(parents=True)
     rng = np.random.default_rng(0)
-    for i in range(2):
+    for i in range(IMAGES):
         pixels = (rng.random((128, 128, 3)) * 255).astype(np.uint8)
         Image.fromarray(pixels).save(images / f"{i}.png")
         (images / f"{i}.txt").write_text(f"a tiny test image number {i}")
@@ -131,7 +139,7 @@ def tiny_t5(vocab: int, width: int):
 
 def training_toml(work: Path, model: str, images: Path, extra: str) -> Path:
     (work / "dataset.toml").write_text(
-        f'[general]\ncaption_extension = ".txt"\nresolution = 128\nbatch_size = 1\n\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{images / "4_tiny"}"\nnum_repeats = 4\n'
+        f'[general]\ncaption_extension = ".txt"\nresolution = 128\nbatch_size = 1\n\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{images / "4_tiny"}"\nnum_repeats = {REPEATS}\n'
     )
     path = work / "train.toml"
     path.write_text(
@@ -329,13 +337,50 @@ def check_map(work: Path) -> dict:
     return windows
 
 
-def main(arch: str, work: Path, mode: str = "train") -> None:
+def recorder() -> tuple[list, list]:
+    """Every train step's decision (rule index, lead, drawn σ) in order, and the run objects seen."""
+    from downscale_plugin.hosts.sd_scripts.run import DownscaleRun
+
+    steps: list = []
+    runs: list = []
+    on_step = DownscaleRun.on_step
+
+    def record(self, step, decision, *rest, **kw):
+        if not runs or runs[-1] is not self:
+            runs.append(self)
+        steps.append({"step": step, "rule": decision.rule_index, "lead": decision.lead, "sigmas": decision.sigmas.reshape(-1).tolist()})
+        return on_step(self, step, decision, *rest, **kw)
+
+    DownscaleRun.on_step = record
+    return steps, runs
+
+
+def write_record(work: Path, steps: list, runs: list) -> None:
+    """``WORK/record.json``: the decisions, the saved LoRA's ``ss_downscale_*`` keys, the hooks left on the accelerator."""
+    lora = work / "out" / "lora.safetensors"
+    with safe_open(str(lora), "pt") as f:
+        meta = {k: v for k, v in (f.metadata() or {}).items() if k.startswith("ss_")}
+    left = []
+    for run in runs:
+        for name in ("_save_model_state_pre_hook", "_load_model_state_pre_hook"):
+            left += [f"{name}:{h.__module__}.{h.__qualname__}" for h in getattr(run.accelerator, name, {}).values()]
+    record = {"steps": steps, "metadata": meta, "hooks": left, "offset": [run.router.resume_offset for run in runs]}
+    (work / "record.json").write_text(json.dumps(record))
+
+
+def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     script, config, inner, models = SETUPS[arch](work, write_images(work))
-    if mode != "train":
+    if mode.startswith("map-"):
         config.write_text(config.read_text().replace(ROUTES, MAP.format(after=mode.removeprefix("map-"), out=work / "map")))
-    sys.argv = [script, "--config_file", str(config)]
+    sys.argv = [script, "--config_file", str(config), *host_argv]
+    if mode == "record":
+        steps, runs = recorder()
+        runpy.run_path(script, run_name="__main__")
+        write_record(work, steps, runs)
+        print(f"E2E OK: {len(steps)} train forwards recorded")
+        return
     try:
         runpy.run_path(script, run_name="__main__")  # the script's own __main__ block
     except SystemExit as stop:

@@ -19,6 +19,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from host_modules import ARCHS, host_modules, run_double, trainer_class
+from safetensors import safe_open
 
 from downscale_plugin.fasterdit.policies import shift_sigma
 from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
@@ -353,3 +354,44 @@ def test_two_gloo_ranks_route_identically_every_step(tmp_path):
     assert r0["resampled"][1] == r1["resampled"][1] == r0["resampled"][0] + r1["resampled"][0]
     assert r1["tracked"] is None and r0["tracked"][-1]["downscale/steps"] == 100.0  # only the main process logs
     assert os.listdir(tmp_path / "rank0") and not (tmp_path / "rank1").exists()  # ... and saves
+
+
+def _resume_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
+    """Two ranks: a run that saves its state at step 4 (main process), then both ranks resume from it."""
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    try:
+        with host_modules():
+            common = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "8", "--dataset_size", "16")
+            mine = ("--seed", str(100 + rank), "--data_seed", str(7 + rank))
+            downscale = {"routes": [{"scale": 0.5, "sigma_min": 0.55, "span": "spread:0.5"}]}
+            first = os.path.join(out_dir, f"first{rank}")
+            run_double("flux", *common, *mine, "--save_state", "--save_every_n_steps", "4", "--output_dir", first, downscale=downscale)
+            dist.barrier()
+            state = os.path.join(out_dir, "first0", "last-step00000004-state")  # the main process saved it
+            resumed = os.path.join(out_dir, f"resumed{rank}")
+            argv = ("--resume", state, "--skip_until_initial_step", "--output_dir", resumed)
+            downscale_run = run_double("flux", *common, *mine, *argv, downscale=downscale).last_run.network.downscale_run
+            torch.save(
+                {
+                    "offset": downscale_run.router.resume_offset,
+                    "local": downscale_run.accounting.total_steps,
+                    "total": downscale_run.totals.total_steps,
+                },
+                os.path.join(out_dir, f"rank{rank}.pt"),
+            )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_resume_with_the_whole_runs_counts(tmp_path):
+    """The main process saves the cross-rank totals with its state; on resume only it adds them back, so the
+    totals (and ``ss_downscale_counts``) are the whole run's on every rank, not doubled."""
+    mp.spawn(_resume_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
+    assert r0["offset"] == r1["offset"] == 4  # step 4 × accumulation 1
+    assert r0["local"] == 4 + 8 and r1["local"] == 4  # rank 0 carries the saved totals (4 forwards × 2 ranks)
+    assert r0["total"] == r1["total"] == 16
+    with safe_open(str(tmp_path / "resumed0" / "last.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["ss_downscale_counts"])["forwards"] == 16
+    assert not (tmp_path / "resumed1").exists()

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from host_modules import ARCHS, run_double, trainer_class
+from host_modules import ARCHS, double_args, run_double, trainer_class
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -24,6 +24,7 @@ import downscale_plugin
 from downscale_plugin.arch import get_arch
 from downscale_plugin.config import ConfigError, load_config, read_plugin_toml
 from downscale_plugin.hosts.kohya import config_from_training_toml
+from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
 from downscale_plugin.hosts.sd_scripts.facts import KNOWN_INNERS, HostError
 
 ALL_ROUTED = {"routes": [{"scale": 0.5, "sigma_min": 0.0}]}
@@ -127,12 +128,152 @@ def test_no_metadata_adds_no_downscale_keys(tmp_path):
 
 
 def test_total_forwards_and_resume_offset_are_read_from_the_loop():
-    # 4 batches per epoch, 2 epochs: the trainer sets max_train_steps = 8 after prepare_network; it resumes at
-    # global step 5. late:0.5 fires on forwards 5..8, so all three remaining steps route only if both are read.
+    # 4 batches per epoch, 2 epochs: the trainer sets max_train_steps = 8 after prepare_network. --initial_step 5
+    # with --skip_until_initial_step: the host starts at epoch 2 (5 // 4), skips 1 batch, global_step 1, and trains
+    # 3 forwards, absolute 6..8. late:0.5 fires on forwards 5..8: all three route only if T and the offset are read.
     downscale = {"routes": [{"scale": 0.5, "sigma_min": 0.0, "span": "late:0.5"}]}
-    run = run_double("sd3", *RES, "--max_train_epochs", "2", "--initial_step", "5", downscale=downscale).last_run
-    assert run.args.max_train_steps == 8 and run.global_step == 8
+    argv = ("--max_train_epochs", "2", "--initial_step", "5", "--skip_until_initial_step")
+    run = run_double("sd3", *RES, *argv, downscale=downscale).last_run
+    assert run.args.max_train_steps == 8 and run.global_step == 4
     assert [c["shape"] for c in run.unet.calls] == [(1, 4, 8, 8)] * 3
+    assert run.network.downscale_run.router.resume_offset == 5
+
+
+# -- resume: spans, the lead and spread coins keyed to the absolute forward index; counts across states -------------
+
+# B = 2 (the coupled gate draws a lead keyed to the index), a window that needs the lead, and spread coins.
+RESUME_ROUTES = {"routes": [{"scale": 0.5, "sigma_min": 0.5, "span": "spread:0.5"}]}
+# accumulation → (argv of the uninterrupted run that saves states, forwards it runs); batches per epoch L = 16 and 8.
+UNINTERRUPTED = {
+    2: (("--dataset_size", "32", "--max_train_steps", "12", "--gradient_accumulation_steps", "2", "--save_every_n_steps", "3"), 24),
+    1: (("--dataset_size", "16", "--max_train_steps", "16", "--save_every_n_steps", "5"), 16),
+}
+
+
+def _recording(patch: pytest.MonkeyPatch) -> list[tuple]:
+    """(rule index, lead σ, drawn σ) of every train forward, in order."""
+    from downscale_plugin.hosts.sd_scripts.run import DownscaleRun
+
+    seen: list[tuple] = []
+    on_step = DownscaleRun.on_step
+
+    def spy(self, step, decision, *rest, **kw):
+        seen.append((decision.rule_index, decision.lead, tuple(decision.sigmas.reshape(-1).tolist())))
+        return on_step(self, step, decision, *rest, **kw)
+
+    patch.setattr(DownscaleRun, "on_step", spy)
+    return seen
+
+
+def _resume_run(accumulation: int, *argv: str, out: Path):
+    base, _ = UNINTERRUPTED[accumulation]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(sd_scripts_start, "PLAN_MC_SAMPLES", 256)
+        seen = _recording(patch)
+        run = run_double("flux", *RES, "--train_batch_size", "2", *base, *argv, "--output_dir", str(out), downscale=RESUME_ROUTES)
+    return seen, run.last_run
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(host_doubles, tmp_path_factory):
+    """Per accumulation: the uninterrupted run's decisions and its output dir (a state every few steps)."""
+    runs = {}
+    for accumulation, (_, forwards) in UNINTERRUPTED.items():
+        out = tmp_path_factory.mktemp(f"uninterrupted{accumulation}")
+        seen, run = _resume_run(accumulation, "--save_state", out=out)
+        assert len(seen) == forwards
+        assert len(run.accelerator._save_model_state_pre_hook) == 1  # off after the last state and weights: the host's own left
+        runs[accumulation] = (seen, out)
+    return runs
+
+
+def _counts(out: Path) -> dict:
+    with safe_open(str(out / "last.safetensors"), "pt") as f:
+        return json.loads(f.metadata()["ss_downscale_counts"])
+
+
+# (id, accumulation, argv, absolute index of forward 0, this run's forwards, σ replayed too (RNG restored), forwards restored)
+RESUME_PATHS = [
+    # L 16, A 2, state at step 3: S = 6, epoch_to_start 6 // 8 = 0, 6 batches skipped, global_step 6 → 12 forwards
+    ("resume+skip, A 2", 2, ("--resume", "step3", "--skip_until_initial_step"), 6, 12, True, 6),
+    # --resume alone: epoch_to_start 3 // 8 = 0 from its first batch, global_step 0 → 24 forwards
+    ("resume, A 2", 2, ("--resume", "step3"), 6, 24, True, 6),
+    # L 8, A 1, state at step 10: epoch_to_start 1, 2 batches skipped, global_step 2; the epochs end after 6 forwards
+    ("resume+skip, A 1", 1, ("--resume", "step10", "--skip_until_initial_step"), 10, 6, True, 10),
+    ("resume, A 1", 1, ("--resume", "step10"), 10, 8, True, 10),  # epoch 2 from its first batch
+    ("initial_step+skip, A 2", 2, ("--initial_step", "3", "--skip_until_initial_step"), 6, 12, False, 0),
+    ("initial_epoch+skip, A 1", 1, ("--initial_epoch", "2", "--skip_until_initial_step"), 8, 8, False, 0),  # s = 1 × ⌈8 / 1⌉
+    ("initial_step, A 1", 1, ("--initial_step", "5"), 5, 16, False, 0),  # informative: epoch 1, global_step 0
+]
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "argv", "offset", "forwards", "replayed", "restored"), [p[1:] for p in RESUME_PATHS], ids=[p[0] for p in RESUME_PATHS]
+)
+def test_resumed_run_routes_by_the_absolute_forward_index(
+    uninterrupted, tmp_path, accumulation, argv, offset, forwards, replayed, restored
+):
+    """Every resume path of the host's loop: forward n of the resumed run routes as the uninterrupted run's forward
+    offset + n (same lead, same spread coin, so the same route; with the state's RNG also the same σ), the counts
+    continue from the state's, and the run's state hooks are off the accelerator at the end."""
+    reference, states = uninterrupted[accumulation]
+    argv = tuple(str(states / f"last-{a[:4]}{int(a[4:]):08d}-state") if a.startswith("step") else a for a in argv)
+    seen, run = _resume_run(accumulation, *argv, out=tmp_path)
+    assert len(seen) == forwards and run.network.downscale_run.router.resume_offset == offset
+    overlap = list(zip(seen, reference[offset:], strict=False))
+    assert len(overlap) >= min(forwards, 6)
+    assert [(rule, lead) for rule, lead, _ in seen[: len(overlap)]] == [
+        (rule, lead) for rule, lead, _ in reference[offset : offset + len(overlap)]
+    ]
+    if replayed:
+        assert seen[: len(overlap)] == reference[offset : offset + len(overlap)]
+    counts = _counts(tmp_path)
+    history = reference[:restored] + seen
+    assert counts["forwards"] == restored + forwards
+    assert counts["routes"]["r0 x0.5"] == pytest.approx(sum(rule == 0 for rule, _, _ in history) / len(history))
+    accelerator = run.accelerator
+    assert len(accelerator._save_model_state_pre_hook) == len(accelerator._load_model_state_pre_hook) == 1  # the host's own
+
+
+def test_resume_is_stated_in_the_start_banner_and_at_the_first_step(uninterrupted, tmp_path, caplog, capsys):
+    state = uninterrupted[2][1] / "last-step00000003-state"
+    with caplog.at_level(logging.INFO, logger="downscale_plugin"):
+        _resume_run(2, "--resume", str(state), "--skip_until_initial_step", out=tmp_path)
+    text = caplog.text + capsys.readouterr().out  # the banner may be printed rather than logged
+    assert f"resume (--resume {state} --skip_until_initial_step): spans, the coupled gate's step draws and spread coins" in text
+    assert "keyed to the absolute forward index s × 2 + n (n: this run's forward), s = 3 (train_state.json current_step)" in text
+    assert "absolute forward index = 3 × 2 + n = 6 + n (initial step 3 from train_state.json current_step 3)" in text
+    assert "restored the counts of 6 earlier train forwards" in text
+
+
+@pytest.mark.parametrize(
+    ("argv", "state", "batches", "processes", "expected"),
+    [
+        # (initial step, absolute index of forward 0, epoch_to_start, batches skipped in it, global_step at the first step)
+        (("--gradient_accumulation_steps", "2", "--skip_until_initial_step"), 3, 16, 1, (3, 6, 0, 6, 6)),  # the issue's run
+        (("--gradient_accumulation_steps", "2", "--skip_until_initial_step"), 3, 4, 1, (3, 6, 3, 0, -6)),  # 4 batches: 3 epochs
+        (("--gradient_accumulation_steps", "2"), 3, 16, 1, (3, 6, 0, 0, 0)),  # --resume alone
+        (("--skip_until_initial_step",), 10, 8, 1, (10, 10, 1, 2, 2)),
+        (("--initial_epoch", "3", "--gradient_accumulation_steps", "2"), None, 16, 2, (8, 16, 1, 0, 0)),  # 2 × ⌈16 / 2 / 2⌉
+        (("--initial_step", "0", "--skip_until_initial_step"), 5, 8, 1, (0, 0, 0, 0, 0)),  # the host ignores the state's 5
+        ((), None, 8, 1, (0, 0, 0, 0, 0)),
+    ],
+)
+def test_host_start_is_the_hosts_arithmetic(argv, state, batches, processes, expected):
+    from downscale_plugin.hosts.sd_scripts.resume import HostStart
+
+    args = double_args("flux", *argv)
+    start = HostStart.of(args, state, batches, processes)
+    assert (start.initial_step, start.offset, start.epoch_to_start, start.skipped, start.global_step) == expected
+    assert (start.warning() is not None) == (batches == 4)  # only there the host leaves the uninterrupted data order
+
+
+def test_counts_are_saved_in_every_state_dir(uninterrupted):
+    _, states = uninterrupted[1]
+    saved = json.loads((states / "last-step00000010-state" / "downscale_plugin_counts.json").read_text())
+    assert sum(saved["counts"]["steps"]) == 10 and saved["routes"] == RESUME_ROUTES["routes"]
+    assert json.loads((states / "last-step00000010-state" / "train_state.json").read_text()) == {"current_epoch": 2, "current_step": 10}
+    assert sum(json.loads((states / "last-state" / "downscale_plugin_counts.json").read_text())["counts"]["steps"]) == 16
 
 
 def test_banner_summary_and_step_logs(caplog):

@@ -17,8 +17,10 @@ import contextlib
 import csv
 import importlib
 import importlib.util
+import json
 import math
 import os
+import random
 import shutil
 import subprocess
 import sys
@@ -26,9 +28,12 @@ from multiprocessing import Value
 from pathlib import Path
 from unittest.mock import MagicMock
 
+import numpy as np
 import pytest
 import torch
 from host_modules import host_modules
+from rng_trap import NativeStepCheck, RngTrap
+from rng_trap import same as rng_same
 
 import downscale_plugin
 from downscale_plugin.fasterdit.policies import shift_sigma
@@ -352,6 +357,94 @@ def test_example_configs_reach_the_plugin_through_the_hosts_own_toml_reader(name
     assert [r.label for r in plugin_config({}, args).routes] == routes
 
 
+EARLY_ERROR_TOML = """
+[model]
+pretrained_model_name_or_path = "no-such-flux-checkpoint.safetensors"
+clip_l = "no-such-clip.safetensors"
+t5xxl = "no-such-t5.safetensors"
+ae = "no-such-ae.safetensors"
+
+[training]
+network_module = "downscale_plugin"
+network_dim = 4
+output_dir = "out"
+max_train_steps = 4
+
+[[plugins.downscale.routes]]
+route = "1024:768"
+sigma_min = 0.65
+sigma_max = 0.95
+"""
+# What the real script logs on its way to the models: none of it may come before the plugin's error.
+HOST_PROGRESS = ("Loading settings from", "Loading dataset config", "import network module", "Building", "loading", "caching")
+
+
+def _early_error_run(tmp_path: Path, launcher: str, **env: str) -> tuple[subprocess.CompletedProcess, float]:
+    import time
+
+    config = tmp_path / "train.toml"
+    config.write_text(EARLY_ERROR_TOML)
+    script = [str(Path(SD_SCRIPTS_DIR) / "flux_train_network.py"), "--config_file", str(config)]
+    script += ["--network_args", "ds_gate=sometimes", "ds_routes=1024:768@a-0.95"]  # the user's unchanged command + a bad arg
+    if launcher == "accelerate":
+        script = ["-m", "accelerate.commands.launch", "--num_processes", "1", "--num_cpu_threads_per_process", "1", *script]
+    full_env = {k: v for k, v in os.environ.items() if k != "DOWNSCALE_PLUGIN_NO_STARTUP_CHECK"}
+    full_env.update({"HF_HUB_OFFLINE": "1", "COLUMNS": "1000", **env})
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, *script], cwd=tmp_path, env=full_env, capture_output=True, text=True, timeout=300)
+    return proc, time.perf_counter() - start
+
+
+@pytest.mark.parametrize("launcher", ["python", "accelerate"])
+def test_bad_plugin_config_fails_before_the_real_script_loads_a_model(launcher, tmp_path):
+    """The real ``flux_train_network.py`` imports the network module after loading and caching every model;
+    the installed startup check (``downscale_plugin_startup.pth``) stops a bad config before the script runs."""
+    import sysconfig
+
+    pth = [Path(sysconfig.get_paths()[k]) / "downscale_plugin_startup.pth" for k in ("purelib", "platlib")]
+    assert any(p.is_file() for p in pth), f"the startup hook is not installed in {sys.prefix}: pip install --no-deps -e ."
+    proc, seconds = _early_error_run(tmp_path, launcher)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log[-3000:]
+    assert "[network_args] ds_gate: 'sometimes' is not allowed (allowed: coupled, strict)" in log, log[-3000:]
+    assert "[network_args] ds_routes: entry '1024:768@a-0.95': sigma_min 'a' is not a number" in log
+    assert "stopped before the trainer loads any model" in log
+    assert not [marker for marker in HOST_PROGRESS if marker in log], log[-3000:]
+    assert seconds < 20, f"{seconds:.1f} s to the error"
+
+
+def test_without_the_startup_check_the_real_script_runs_into_its_models(tmp_path):
+    """The control: the same command with ``DOWNSCALE_PLUGIN_NO_STARTUP_CHECK=1`` gets past the point where the
+    check stopped it (the host reads its settings and goes on towards the checkpoints, which do not exist)."""
+    proc, _ = _early_error_run(tmp_path, "python", DOWNSCALE_PLUGIN_NO_STARTUP_CHECK="1")
+    log = proc.stdout + proc.stderr
+    assert "Loading settings from" in log and "stopped before the trainer loads any model" not in log, log[-3000:]
+
+
+def test_banner_tables_stay_tables_under_the_hosts_logging_setup(capsys):
+    """``library.utils.setup_logging`` (rich, wrapping at the console width: 80 columns into a file) is what
+    every real script installs; the banner and summary go around it, unwrapped, and the log says so."""
+    import logging
+
+    from library.utils import setup_logging
+
+    from downscale_plugin.hosts.sd_scripts.run import show
+
+    root = logging.getLogger()
+    saved = root.handlers[:], root.level
+    table = "\n".join(f"  r{i}  {'1024x1024':<10} {'128x128':<10} {i * 11.1:>6.1f} %" + " " * 40 + f"{'FLOPs saved':>20}" for i in range(4))
+    try:
+        setup_logging(reset=True)
+        show(table, "test table")
+        out, err = capsys.readouterr()
+    finally:
+        root.handlers[:] = saved[0]
+        root.setLevel(saved[1])
+    assert max(map(len, table.splitlines())) > 80
+    assert table in out, out
+    assert "test table printed" in err and "FLOPs saved" not in err, err
+
+
 def end_to_end(arch: str, work: Path, mode: str = "train") -> str:
     """Run ``tests/sd_scripts_e2e.py`` (the real script's ``__main__`` path); its log, whitespace collapsed
     (the host logs through rich, which pads lines)."""
@@ -389,3 +482,225 @@ def test_map_mode_in_the_real_training_script(arch, after_map, tmp_path):
     assert sorted({r["arm"] for r in rows}) == ["latent_0.5", "pixel_0.5", "reenc"] and all(math.isfinite(float(r["excess"])) for r in rows)
     done = "ending the run before training batch 2 (no weights saved)" if after_map == "stop" else "training continues from batch 2"
     assert done in log
+
+
+# -- issue 10 items 2 and 3: the host's generators, untouched (tests/rng_trap.py) ----------------------
+
+RNG_ALL_NOISE = (
+    "--multires_noise_iterations", "3", "--multires_noise_discount", "0.5", "--noise_offset", "0.1", "--noise_offset_random_strength",
+    "--adaptive_noise_scale", "0.05", "--ip_noise_gamma", "0.1", "--ip_noise_gamma_random_strength",
+)  # fmt: skip
+RNG_IP = ("--ip_noise_gamma", "0.1", "--ip_noise_gamma_random_strength")
+# What each host noise path reads (tu:6071-6107; ftu:519-527; ltu:863-871; sd3_train_utils: none of them).
+RNG_CASES = [
+    ("sd1", ("--multires_noise_iterations", "6")),
+    ("sd1", ("--noise_offset", "0.1", "--adaptive_noise_scale", "0.05")),
+    ("sd1", RNG_ALL_NOISE),
+    ("sdxl", ("--multires_noise_iterations", "3", "--multires_noise_discount", "0.5")),
+    ("sdxl", ("--noise_offset", "0.1", "--noise_offset_random_strength")),
+    ("sdxl", RNG_IP),
+    ("sdxl", RNG_ALL_NOISE),
+    ("flux", RNG_IP),
+    ("flux", RNG_ALL_NOISE),
+    ("lumina", RNG_IP),
+    ("lumina", RNG_ALL_NOISE),
+    ("sd3", RNG_ALL_NOISE),
+]
+RNG_IDS = [f"{arch}-{'-'.join(o.lstrip('-') for o in opts)}" for arch, opts in RNG_CASES]
+RNG_MIXED = (0, 2, 6, 7, 9, 11)  # sd1 multires, sd1 all, sdxl all, flux ip, lumina ip, sd3: the mixed runs cost 12 real steps each
+RNG_THIRD = {"sd1": (0.5, 0.75), "sdxl": (0.5, 0.75), "flux": (0.65, 0.85), "sd3": (0.37, 0.67), "lumina": (0.8, 0.9)}  # ~30 % of σ
+
+
+def _rng_seed(seed: int) -> None:
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+@pytest.mark.parametrize(("arch", "options"), RNG_CASES, ids=RNG_IDS)
+def test_rng_the_doubles_noise_paths_are_the_hosts_bit_for_bit(arch, options):
+    """The doubles' noise + σ functions (tests/doubles/library) against the host's, same states in: same tensors, same states out."""
+    with host_modules():  # the doubles' library, its own modules; the functions keep them after the swap back
+        from library import flux_train_utils as double_flux
+        from library import lumina_train_util as double_lumina
+        from library import sd3_train_utils as double_sd3
+        from library import train_util as double_train_util
+    from library import flux_train_utils, lumina_train_util, sd3_train_utils, train_util
+
+    script, cls = SCRIPTS[arch]
+    module = importlib.import_module(script)
+    args = module.setup_parser().parse_args(["--network_module", "downscale_plugin", *options])
+    scheduler = getattr(module, cls)().get_noise_scheduler(args, torch.device("cpu"))
+    latents = torch.randn(2, 4, 16, 16, generator=torch.Generator().manual_seed(3))
+    pairs = {
+        "sd1": (
+            train_util.get_noise_noisy_latents_and_timesteps,
+            double_train_util.get_noise_noisy_latents_and_timesteps,
+            (args, scheduler, latents),
+        ),
+        "flux": (flux_train_utils.get_noisy_model_input_and_timesteps, double_flux.get_noisy_model_input_and_timesteps, None),
+        "lumina": (lumina_train_util.get_noisy_model_input_and_timesteps, double_lumina.get_noisy_model_input_and_timesteps, None),
+        "sd3": (sd3_train_utils.get_noisy_model_input_and_timesteps, double_sd3.get_noisy_model_input_and_timesteps, None),
+    }
+    host_fn, double_fn, call = pairs["sd1" if arch == "sdxl" else arch]
+    results = []
+    for fn in (host_fn, double_fn):
+        _rng_seed(9)
+        noise = torch.randn_like(latents)
+        if call is not None:
+            out = fn(*call)
+        elif arch == "sd3":
+            out = fn(args, latents, noise, "cpu", torch.float32)
+        else:
+            out = fn(args, scheduler, latents, noise, "cpu", torch.float32)
+        results.append((out, torch.get_rng_state(), random.getstate(), np.random.get_state()))
+    assert rng_same(results[0], results[1])
+    assert double_fn.__module__.startswith(("library.", "downscale_plugin.lab.")) and double_fn is not host_fn
+
+
+@pytest.mark.parametrize(("arch", "options"), RNG_CASES, ids=RNG_IDS)
+@pytest.mark.parametrize("config", ["never-hit", "not-eligible"])
+def test_rng_real_trainer_whose_routes_cannot_fire_is_the_host_bit_for_bit(arch, options, config):
+    routes = [{"scale": 0.5, "sigma_min": 0.0, "sigma_max": 0.001}] if config == "never-hit" else [{"route": "2048:1024", "sigma_min": 0.0}]
+    setup = Setup(arch, {"routes": routes}, *options)
+    for step in range(3):
+        results = []
+        for trainer in (setup.trainer, setup.plain):
+            _rng_seed(20 + step)
+            loss = setup.step(batch_for(arch, 2, step), trainer=trainer)
+            results.append((loss.detach(), setup.model_input()[1], torch.get_rng_state(), random.getstate(), np.random.get_state()))
+        assert rng_same(results[0], results[1]), f"step {step}"
+    assert setup.network.downscale_run.accounting.demote_fraction() == 0.0
+
+
+@pytest.mark.parametrize(("arch", "options"), [RNG_CASES[i] for i in RNG_MIXED], ids=[RNG_IDS[i] for i in RNG_MIXED])
+@pytest.mark.parametrize("batch", [1, 2])
+def test_rng_real_trainer_steps_left_to_the_host_are_the_hosts_bit_for_bit(arch, options, batch):
+    low, high = RNG_THIRD[arch]
+    setup = Setup(arch, {"routes": [{"scale": 0.5, "sigma_min": low, "sigma_max": high}]}, *options)
+    _rng_seed(30)
+    with NativeStepCheck() as check:
+        for step in range(12):
+            setup.step(batch_for(arch, batch, step))
+    assert check.failures == []
+    assert check.native > 0 and check.replayed > 0
+
+
+@pytest.mark.parametrize("arch", ["sd1", "sdxl", "flux", "sd3", "lumina"])
+def test_rng_real_trainer_steps_never_reseed_a_global_generator(arch):
+    low, high = RNG_THIRD[arch]
+    with RngTrap() as trap:
+        noise = RNG_ALL_NOISE if arch in ("sd1", "sdxl") else RNG_IP
+        setup = Setup(arch, {"routes": [{"scale": 0.5, "sigma_min": low, "sigma_max": high}]}, *noise)
+        for step in range(8):
+            setup.step(batch_for(arch, 2, step))
+    assert trap.violations == [], trap.report()
+    assert trap.restores >= 3 * 8  # CPU, Python and NumPy of every step's fork, each checked
+
+
+@pytest.mark.parametrize(("arch", "mode"), [("flux", "train"), ("flux", "map-stop"), ("sd3", "train")])
+def test_rng_real_training_script_never_reseeds_a_global_generator(arch, mode, tmp_path):
+    """The real script's whole run (banner with the plan's Monte Carlo, every step, the in-run map) under the trap."""
+    runner = (
+        "import sys; from pathlib import Path; from rng_trap import RngTrap; import sd_scripts_e2e\n"
+        "with RngTrap() as trap:\n"
+        "    sd_scripts_e2e.main(sys.argv[1], Path(sys.argv[2]), sys.argv[3])\n"
+        "print('TRAP', trap.restores, trap.seeded, len(trap.violations)); print(trap.report())\n"
+        "sys.exit(1 if trap.violations or not trap.restores or not trap.seeded else 0)\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE), str(HERE.parent)]), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run(
+        [sys.executable, "-c", runner, arch, str(tmp_path), mode], cwd=SD_SCRIPTS_DIR, env=env, capture_output=True, text=True
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0, log[-4000:]
+    assert "E2E OK" in log and "TRAP" in log and "no violations" in log, log[-4000:]
+
+
+# -- resume: the absolute forward index on every resume path of the real loop; counts across states ---------------
+
+RESUME_TOML = """
+[plugins.downscale]
+gate = "coupled"
+
+[[plugins.downscale.routes]]
+route = "128:64"
+sigma_min = 0.0                  # every σ: at batch size 1 a forward routes exactly when its spread coin says so
+span = "spread:0.5"
+"""
+# accumulation → (images = batches per epoch, max_train_steps, --save_every_n_steps); the issue's run is A 2.
+RESUME_RUNS = {2: (16, 12, 3), 1: (8, 16, 5)}
+# (id, accumulation, argv, absolute index of forward 0, this run's forwards, forwards restored from the state)
+REAL_RESUME_PATHS = [
+    # the issue: state at step 3 (forward 6); S = 6, epoch_to_start 6 // 8 = 0, 6 batches skipped, global_step 6 (the
+    # host counts forwards there, so it stops at forward 18 of the uninterrupted order): 12 forwards, absolute 7..18
+    ("resume+skip, A 2", 2, ("--resume", "step3", "--skip_until_initial_step"), 6, 12, 6),
+    ("resume, A 2", 2, ("--resume", "step3"), 6, 24, 6),  # epoch_to_start 0 from its first batch, global_step 0
+    ("resume+skip, A 1", 1, ("--resume", "step10", "--skip_until_initial_step"), 10, 6, 10),  # epoch 2, 2 batches skipped
+    ("resume, A 1", 1, ("--resume", "step10"), 10, 8, 10),  # epoch 2 from its first batch, global_step 0
+    ("initial_step+skip, A 2", 2, ("--initial_step", "3", "--skip_until_initial_step"), 6, 12, 0),
+    ("initial_epoch+skip, A 1", 1, ("--initial_epoch", "2", "--skip_until_initial_step"), 8, 8, 0),  # s = 1 × ⌈8 / 1 / 1⌉
+    ("initial_step, A 1", 1, ("--initial_step", "5"), 5, 16, 0),  # without the skip: epoch 1, global_step 0
+]
+
+
+def recorded_run(work: Path, accumulation: int, *argv: str) -> tuple[dict, str]:
+    """The real Flux script through ``tests/sd_scripts_e2e.py record``: (``record.json``, the log, whitespace collapsed)."""
+    images, steps, _ = RESUME_RUNS[accumulation]
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)]),
+        "COLUMNS": "1000",
+        "E2E_ROUTES": RESUME_TOML,
+        "E2E_IMAGES": str(images),
+        "E2E_REPEATS": "1",
+        "E2E_STEPS": str(steps),
+    }
+    argv = ("--gradient_accumulation_steps", str(accumulation), *argv)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "sd_scripts_e2e.py"), "flux", str(work), "record", *argv],
+        cwd=SD_SCRIPTS_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "E2E OK" in log, log[-4000:]
+    return json.loads((work / "record.json").read_text()), " ".join(log.split())
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_real(tmp_path_factory):
+    """Per accumulation: the uninterrupted run's route per forward and its output dir (a state every few steps)."""
+    runs = {}
+    for accumulation, (_, steps, every) in RESUME_RUNS.items():
+        work = tmp_path_factory.mktemp(f"uninterrupted{accumulation}")
+        record, _ = recorded_run(work, accumulation, "--save_state", "--save_every_n_steps", str(every))
+        assert len(record["steps"]) == steps * accumulation
+        assert record["hooks"] and all(".NetworkTrainer.train.<locals>." in hook for hook in record["hooks"])
+        runs[accumulation] = ([s["rule"] for s in record["steps"]], work / "out")
+    return runs
+
+
+@pytest.mark.parametrize(
+    ("accumulation", "argv", "offset", "forwards", "restored"), [p[1:] for p in REAL_RESUME_PATHS], ids=[p[0] for p in REAL_RESUME_PATHS]
+)
+def test_real_resume_routes_by_the_absolute_forward_index(uninterrupted_real, tmp_path, accumulation, argv, offset, forwards, restored):
+    """Each resume path of the real loop: forward n of the resumed run routes exactly as the uninterrupted run's
+    forward offset + n (its spread coin), ``ss_downscale_counts`` covers the whole run (the state's counts and
+    this run's), and the run's state hooks are off the accelerator at the end (only the host's own remain)."""
+    reference, states = uninterrupted_real[accumulation]
+    argv = tuple(str(states / f"lora-step{int(a[4:]):08d}-state") if a.startswith("step") else a for a in argv)
+    record, log = recorded_run(tmp_path, accumulation, *argv)
+    routes = [s["rule"] for s in record["steps"]]
+    assert len(routes) == forwards and record["offset"] == [offset]
+    overlap = min(forwards, len(reference) - offset)
+    assert overlap >= 6 and routes[:overlap] == reference[offset : offset + overlap]
+    assert f"absolute forward index = {offset // accumulation} × {accumulation} + n = {offset} + n" in log
+    counts = json.loads(record["metadata"]["ss_downscale_counts"])
+    history = reference[:restored] + routes
+    assert counts["forwards"] == restored + forwards
+    assert counts["routes"]["r0 128:64"] == pytest.approx(sum(rule == 0 for rule in history) / len(history))
+    assert record["hooks"] and all(".NetworkTrainer.train.<locals>." in hook for hook in record["hooks"])
+    if restored:
+        assert f"restored the counts of {restored} earlier train forwards" in log and "resume (--resume" in log

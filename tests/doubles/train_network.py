@@ -4,14 +4,20 @@
 ``current_step`` Value, accelerator, models, ``importlib.import_module(args.network_module)``,
 ``--base_weights`` merges via ``create_network_from_weights(..., for_inference=True)``,
 ``create_network``/``create_network_from_weights`` called from ``train`` itself, ``prepare_network(args)``,
-``apply_to``, the optimizer, ``max_train_steps`` from epochs, per step ``current_step.value =
-global_step`` → ``process_batch`` → backward → step, ``generate_step_logs`` on the main process only,
-``accelerator.end_training()``, then the last ``save_weights``. Data are cached latents drawn from a
-private generator, so the global RNG is the trainer's alone, as in a cached-latents host run.
+``apply_to``, the optimizer, ``max_train_steps`` from epochs, ``accelerator.prepare``, the host's
+state hooks (``train_state.json``) and ``--resume``, its initial-step / epoch / skip arithmetic
+(``--initial_step``, ``--initial_epoch``, ``--skip_until_initial_step``, the state's step; the same
+locals: ``train_dataloader``, ``epoch_to_start``, ``global_step``), per batch ``current_step.value =
+global_step`` → ``process_batch`` → backward → step on accelerate's sync, ``--save_every_n_steps``
+weights and ``--save_state`` states, ``generate_step_logs`` on the main process only,
+``accelerator.end_training()``, the last state, then the last ``save_weights``. Data are cached
+latents drawn from a private generator, so the global RNG is the trainer's alone, as in a
+cached-latents host run.
 """
 
 import argparse
 import importlib
+import json
 import math
 import os
 from multiprocessing import Value
@@ -183,6 +189,14 @@ class NetworkTrainer:
     def step_logging(self, accelerator, logs, global_step, epoch):
         accelerator.log(logs, step=global_step)
 
+    def save_model(self, args, network, name, global_step):
+        if args.output_dir is None:
+            return
+        os.makedirs(args.output_dir, exist_ok=True)
+        metadata = {"ss_network_module": args.network_module, "ss_steps": str(global_step)}
+        path = os.path.join(args.output_dir, f"{name}.{args.save_model_as}")
+        network.save_weights(path, None, {} if args.no_metadata else metadata)
+
     def all_reduce_network(self, accelerator, network):
         for param in network.parameters():
             if param.grad is not None:
@@ -193,7 +207,7 @@ class NetworkTrainer:
             args.seed = 0
         torch.manual_seed(args.seed)
         train_dataset_group = TinyDatasetGroup([TinyDataset(args, self.vae_factor, self.latent_channels, self.text_conds)])
-        current_epoch = Value("i", 0)  # noqa: F841 (the host keeps it in this frame too)
+        current_epoch = Value("i", 0)
         current_step = Value("i", 0)
         accelerator = train_util.prepare_accelerator(args)
         weight_dtype = vae_dtype = torch.float32
@@ -229,40 +243,101 @@ class NetworkTrainer:
             args.max_train_steps = args.max_train_epochs * math.ceil(
                 len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps
             )
-        num_train_epochs = math.ceil(args.max_train_steps / math.ceil(len(train_dataloader) / args.gradient_accumulation_steps))
+        network, optimizer, train_dataloader = accelerator.prepare(network, optimizer, train_dataloader)
+
+        # the host's resume and skip arithmetic, verbatim in effect (tn:930-975, 1232-1273, 1340-1344, 1401-1418)
+        def save_model_hook(models, weights, output_dir):
+            with open(os.path.join(output_dir, "train_state.json"), "w", encoding="utf-8") as f:
+                json.dump({"current_epoch": current_epoch.value, "current_step": current_step.value + 1}, f)
+
+        steps_from_state = None
+
+        def load_model_hook(models, input_dir):
+            nonlocal steps_from_state
+            train_state_file = os.path.join(input_dir, "train_state.json")
+            if os.path.exists(train_state_file):
+                with open(train_state_file, encoding="utf-8") as f:
+                    steps_from_state = json.load(f)["current_step"]
+
+        accelerator.register_save_state_pre_hook(save_model_hook)
+        accelerator.register_load_state_pre_hook(load_model_hook)
+        train_util.resume_from_local_or_hf_if_specified(accelerator, args)
+
+        num_update_steps_per_epoch = math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+        num_train_epochs = math.ceil(args.max_train_steps / num_update_steps_per_epoch)
         noise_scheduler = self.get_noise_scheduler(args, accelerator.device)
         del train_dataset_group
         network.prepare_grad_etc(text_encoder, unet)
-        global_step = args.initial_step or 0
+
+        initial_step = 0
+        if args.initial_epoch is not None or args.initial_step is not None:
+            if args.initial_step is not None:
+                initial_step = args.initial_step
+            else:
+                initial_step = (args.initial_epoch - 1) * math.ceil(
+                    len(train_dataloader) / accelerator.num_processes / args.gradient_accumulation_steps
+                )
+        elif steps_from_state is not None:
+            initial_step = steps_from_state
+            steps_from_state = None
+        if initial_step > 0:
+            assert args.max_train_steps > initial_step, f"max_train_steps {args.max_train_steps} vs initial step {initial_step}"
+        epoch_to_start = 0
+        if initial_step > 0:
+            if args.skip_until_initial_step:
+                initial_step *= args.gradient_accumulation_steps
+                epoch_to_start = initial_step // math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+            else:
+                epoch_to_start = initial_step // math.ceil(len(train_dataloader) / args.gradient_accumulation_steps)
+                initial_step = 0
+        global_step = 0
+        if initial_step > 0:
+            for _ in range(epoch_to_start):
+                initial_step -= len(train_dataloader)
+            global_step = initial_step
+
         is_tracking = len(accelerator.trackers) > 0
         losses = []
-        for epoch in range(num_train_epochs):
+        for epoch in range(epoch_to_start, num_train_epochs):
+            current_epoch.value = epoch + 1
             network.on_epoch_start(text_encoder, unet)
-            for step, batch in enumerate(train_dataloader):
+            skipped_dataloader = None
+            if initial_step > 0:
+                skipped_dataloader = accelerator.skip_first_batches(train_dataloader, initial_step - 1)
+                initial_step = 1
+            for batch in skipped_dataloader or train_dataloader:
                 current_step.value = global_step
-                loss = self.process_batch(
-                    batch, text_encoders, unet, network, vae, noise_scheduler, vae_dtype, weight_dtype, accelerator, args, None, None
-                )
-                accelerator.backward(loss)
-                if (step + 1) % args.gradient_accumulation_steps == 0:
-                    self.all_reduce_network(accelerator, network)
-                    optimizer.step()
-                    optimizer.zero_grad(set_to_none=True)
+                if initial_step > 0:
+                    initial_step -= 1
+                    continue
+                with accelerator.accumulate(network):
+                    loss = self.process_batch(
+                        batch, text_encoders, unet, network, vae, noise_scheduler, vae_dtype, weight_dtype, accelerator, args, None, None
+                    )
+                    accelerator.backward(loss)
+                    if accelerator.sync_gradients:
+                        self.all_reduce_network(accelerator, network)
+                        optimizer.step()  # accelerate's optimizer steps only on a sync
+                        optimizer.zero_grad(set_to_none=True)
+                if accelerator.sync_gradients:
                     global_step += 1
+                    if args.save_every_n_steps is not None and global_step % args.save_every_n_steps == 0:
+                        accelerator.wait_for_everyone()
+                        if accelerator.is_main_process:
+                            self.save_model(args, network, f"{args.output_name}-step{global_step:08d}", global_step)
+                            if args.save_state:
+                                train_util.save_and_remove_state_stepwise(args, accelerator, global_step)
                 losses.append(loss.detach().item())
                 if is_tracking:
                     logs = self.generate_step_logs(args, losses[-1], sum(losses) / len(losses), None, lr_descriptions, optimizer)
                     self.step_logging(accelerator, logs, global_step, epoch + 1)
                 if global_step >= args.max_train_steps:
                     break
-            if global_step >= args.max_train_steps:
-                break
         accelerator.end_training()
+        if accelerator.is_main_process and (args.save_state or args.save_state_on_train_end):
+            train_util.save_state_on_train_end(args, accelerator)
         if accelerator.is_main_process and args.output_dir is not None:
-            os.makedirs(args.output_dir, exist_ok=True)
-            metadata = {"ss_network_module": args.network_module, "ss_steps": str(global_step)}
-            path = os.path.join(args.output_dir, f"{args.output_name}.{args.save_model_as}")
-            network.save_weights(path, None, {} if args.no_metadata else metadata)
+            self.save_model(args, network, args.output_name, global_step)
         self.last_run = SimpleNamespace(
             args=args, network=network, unet=unet, accelerator=accelerator, losses=losses, global_step=global_step
         )
@@ -295,10 +370,13 @@ def setup_parser() -> argparse.ArgumentParser:
         "max_timestep": None,
         "train_batch_size": 1,
         "initial_step": None,
+        "initial_epoch": None,
+        "save_every_n_steps": None,
         "blocks_to_swap": None,
         "dataset_size": 4,
         "data_seed": 1234,
         "model_seed": 42,
+        "multires_noise_iterations": None,
     }.items():
         p.add_argument(f"--{name}", type=int, default=default)
     for name, default in {
@@ -306,6 +384,8 @@ def setup_parser() -> argparse.ArgumentParser:
         "unet_lr": None,
         "noise_offset": None,
         "ip_noise_gamma": None,
+        "multires_noise_discount": 0.3,
+        "adaptive_noise_scale": None,
         "sigmoid_scale": 1.0,
         "discrete_flow_shift": 3.0,
         "logit_mean": 0.0,
@@ -326,6 +406,10 @@ def setup_parser() -> argparse.ArgumentParser:
         "apply_t5_attn_mask",
         "enable_scaled_pos_embed",
         "gradient_checkpointing",
+        "skip_until_initial_step",
+        "save_state",
+        "save_state_on_train_end",
+        "resume_from_huggingface",
     ):
         p.add_argument(f"--{flag}", action="store_true")
     p.add_argument("--network_args", nargs="*")

@@ -10,8 +10,9 @@ from __future__ import annotations
 import functools
 import json
 import logging
+import os
+import sys
 from collections.abc import Callable, Sequence
-from importlib import metadata
 from typing import Any
 
 import torch
@@ -21,21 +22,47 @@ from ...accounting import Accounting, StepRecord
 from ...config import DownscaleConfig, RouteRule
 from ...plan import Plan
 from ...router import RouteDecision, Router
+from .resume import read_host_state
 
 Routing = Callable[[DownscaleConfig], tuple[Router, "Plan | None", Accounting]]
 
 logger = logging.getLogger(__name__)
 
 FASTERDIT_KEYS = ("direction_loss_weight", "direction_loss_only_routed", "sigma_policy", "positions")
+COUNTS_FILE = "downscale_plugin_counts.json"  # beside the host's train_state.json in every --save_state dir
 
 
 @functools.cache
 def version() -> str:
-    """The installed distribution's version; the package's own when it is imported from a checkout."""
-    try:
-        return metadata.version("downscale-plugin")
-    except metadata.PackageNotFoundError:
-        return __version__
+    """The version of the code that runs: the package's own ``__version__`` (the distribution's metadata,
+    absent for a checkout on ``sys.path``, can belong to another copy or an older install)."""
+    return __version__
+
+
+def _wrapping_handler(log: logging.Logger) -> bool:
+    """Whether a handler on ``log``'s way up is rich's, which wraps each line at the console width."""
+    rich_logging = sys.modules.get("rich.logging")
+    while rich_logging is not None and log is not None:
+        if any(isinstance(h, rich_logging.RichHandler) for h in log.handlers):
+            return True
+        log = log.parent if log.propagate else None
+    return False
+
+
+def show(text: str, what: str) -> None:
+    """Main process: a block that must stay a table (the start banner, the end summary).
+
+    sd-scripts logs through rich's handler (``library/utils.py`` ``setup_logging``), which wraps every
+    line at the console width, 80 columns when the output goes to a file, into fragments. The block is
+    printed to stdout and flushed instead, and the log gets one line pointing at it. Without a rich
+    handler (``--console_log_simple``, ``--console_log_file``) the log takes the block itself.
+    """
+    if not _wrapping_handler(logger):
+        logger.info("%s", text)
+        return
+    sys.stderr.flush()
+    print(text, file=sys.stdout, flush=True)
+    logger.info("downscale_plugin: %s printed above (stdout, unwrapped)", what)
 
 
 def _rule_dict(rule: RouteRule) -> dict[str, Any]:
@@ -80,6 +107,9 @@ class DownscaleRun:
         self.hook: Any = None  # the step hook reading ``router`` (set by start)
         self.finished = False
         self.extra_metadata: dict[str, str] = {}  # e.g. ss_downscale_map after an in-run map
+        self.host_state: dict | None = None  # the host's train_state.json of the state it resumed from
+        self._handles: list[Any] = []  # accelerate state hooks, removed by close()
+        self._pending: dict | None = None  # restored counts for other routes (a map run: merged once they match)
 
     def retarget(self, routes: Sequence[RouteRule]) -> Plan | None:
         """Route by ``routes`` from now on (after an in-run map): router, plan and accounting follow, the
@@ -90,7 +120,67 @@ class DownscaleRun:
         self.cfg, self.router, self.plan, self.accounting, self.totals = cfg, router, plan, accounting, accounting
         if self.hook is not None:
             self.hook.router = router
+        if self._pending is not None:
+            self._restore(self._pending, "")
         return plan
+
+    # -- counts across --save_state / --resume ----------------------------------------------------
+
+    def install_state_hooks(self) -> None:
+        """Save the counts with every ``accelerator.save_state`` and restore them at ``load_state`` (the
+        host's ``--save_state`` / ``--resume``), through accelerate's state pre-hooks; :meth:`close` removes them."""
+        acc = self.accelerator
+        if self._handles or not callable(getattr(acc, "register_save_state_pre_hook", None)):
+            return
+        self._handles = [acc.register_save_state_pre_hook(self._save_state), acc.register_load_state_pre_hook(self._load_state)]
+
+    def close(self) -> None:
+        """Take the state hooks off the accelerator (at the run's end)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+    def _counts_layout(self) -> list[dict[str, Any]]:
+        return [_rule_dict(r) for r in self.cfg.routes]
+
+    def _save_state(self, models: Any, weights: Any, output_dir: str) -> None:
+        """The cross-rank totals so far, into ``output_dir`` (main process; the host saves state there only)."""
+        if self.rank != 0:
+            return
+        payload = {"version": version(), "routes": self._counts_layout(), "counts": self.totals.state()}
+        path = os.path.join(output_dir, COUNTS_FILE)
+        os.makedirs(output_dir, exist_ok=True)
+        with open(path, "w", encoding="utf-8") as f:
+            json.dump(payload, f)
+
+    def _load_state(self, models: Any, input_dir: str) -> None:
+        """Every rank: the host's ``train_state.json`` (where the run resumes); the main process adds the
+        saved totals to its counts, so the cross-rank sums and ``ss_downscale_counts`` cover the whole run."""
+        self.host_state = read_host_state(input_dir)
+        path = os.path.join(input_dir, COUNTS_FILE)
+        if self.rank != 0:
+            return
+        if not os.path.isfile(path):
+            logger.info("downscale_plugin: %s has no %s; the counts start at this run", input_dir, COUNTS_FILE)
+            return
+        with open(path, encoding="utf-8") as f:
+            self._restore(json.load(f), input_dir)
+
+    def _restore(self, saved: dict, source: str) -> None:
+        if saved.get("routes") != self._counts_layout():
+            self._pending = saved
+            logger.warning(
+                "downscale_plugin: the counts in %s are for routes %s, this run routes by %s: kept aside until they match",
+                source or "the resumed state",
+                json.dumps(saved.get("routes")),
+                json.dumps(self._counts_layout()),
+            )
+            return
+        self._pending = None
+        counts = dict(saved["counts"])
+        counts["window"] = [(0.0, 0.0)] * len(counts["steps"])  # the recent-loss windows restart with the run
+        self.accounting.merge(counts)
+        logger.info("downscale_plugin: restored the counts of %.0f earlier train forwards", sum(counts["steps"]))
 
     def _reduce(self, vector: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(vector.to(self.accelerator.device), reduction="sum")
@@ -117,7 +207,7 @@ class DownscaleRun:
         if self.world_size > 1:
             self.totals = self.accounting.reduced(self._reduce)
         if self.rank == 0:
-            logger.info("%s", self.totals.summary_text())
+            show(self.totals.summary_text(), "end summary")
 
     def metadata(self) -> dict[str, str]:
         totals = self.totals

@@ -37,7 +37,8 @@ from .buckets import dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
 from .families import GRID_DEPENDENT_MODES, DDPMFamily, FlowFamily
 from .hook import DownscaleHook
-from .run import FASTERDIT_KEYS, DownscaleRun, version
+from .resume import HostResume, banner_line
+from .run import FASTERDIT_KEYS, DownscaleRun, show, version
 from .trainer import TrainerContext, detect_arch, find_trainer, make_family, step_options
 
 logger = logging.getLogger(__name__)
@@ -97,17 +98,18 @@ class HostRouter(Router):
     """Reads T and the resume offset from the host at the first train step.
 
     The trainer recomputes ``max_train_steps`` from ``--max_train_epochs`` after ``prepare_network``
-    (tn:799-805) and sets the loop's ``current_step`` to the resumed global step only in the loop.
+    (tn:799-805) and resumes (``accelerator.load_state``, tn:975) after it too. The offset is the
+    absolute forward index of this run's forward 0, from what the host restored (``resume.py``).
     """
 
-    host: tuple[Any, Any] | None = None  # (args, current_step Value)
+    host: tuple[Any, HostResume] | None = None  # (args, the run's resume resolver)
 
     def route(self, *args, **kwargs) -> RouteDecision:
         if self.host is not None:
-            host_args, current_step = self.host
+            host_args, resume = self.host
             accumulation = int(getattr(host_args, "gradient_accumulation_steps", 1) or 1)
             self.total_forwards = int(host_args.max_train_steps) * accumulation
-            self.resume_offset = (int(current_step.value) if current_step is not None else 0) * accumulation
+            self.resume_offset = resume.resolve().offset
             self.host = None
         return super().route(*args, **kwargs)
 
@@ -143,12 +145,19 @@ def _sampler_text(record: TrainerArch, args: Any) -> str:
 
 
 def routing(
-    ctx: TrainerContext, family: Any, cfg: DownscaleConfig, arch: str, seed: int, buckets: tuple[list, list, int]
+    ctx: TrainerContext,
+    family: Any,
+    cfg: DownscaleConfig,
+    arch: str,
+    seed: int,
+    buckets: tuple[list, list, int],
+    resume: HostResume | None = None,
 ) -> tuple[HostRouter, Plan | None, Accounting]:
     """The router, the banner's plan (main process) and the accounting for ``cfg``'s routes.
 
     ``buckets`` is :func:`dataset_buckets`' answer. A map run has no routes until its map has run,
-    so it gets no plan until then.
+    so it gets no plan until then. ``resume`` (one per run, shared by the routers of a map run)
+    gives the absolute forward index of the run's forward 0 at the first train step.
     """
     args, accelerator = ctx.args, ctx.accelerator
     latent_buckets, weights, batch_size = buckets
@@ -156,7 +165,7 @@ def routing(
     router = HostRouter.from_config(
         cfg, arch, seed, total_forwards=int(args.max_train_steps) * accumulation, devices=accelerator_devices(accelerator.device)
     )
-    router.host = (args, ctx.current_step)
+    router.host = (args, resume or HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: None))
     predict = int(accelerator.process_index) == 0 and (cfg.mode == "train" or bool(cfg.routes))
     world = int(accelerator.num_processes)
     plan = _predict(ctx, family, cfg, arch, latent_buckets, weights, batch_size, world) if predict else None
@@ -194,7 +203,8 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         logger.warning("downscale_plugin: %s", note)
     seed = _shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
     buckets = dataset_buckets(ctx.dataset_group, get_arch(arch).vae_factor)
-    run = DownscaleRun(cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets))
+    resume = HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: run.host_state)
+    run = DownscaleRun(cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets, resume))
     router, plan = run.router, run.plan
     session = None
     if cfg.mode == "map":
@@ -211,6 +221,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         raise HostError(f"missing hook point: {err}; {SUPPORTED}") from err
     if session:
         session.install()
+    run.install_state_hooks()  # counts saved with --save_state, restored (with train_state.json) on --resume
     _wrap_save_and_end(network, accelerator, run, args)
     if rank == 0:
         head = (
@@ -218,8 +229,11 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
             f"seed {seed}, {world} process(es); σ from {_sampler_text(record, args)}; "
             + ", ".join(f"{key} {getattr(cfg, key)}" for key in FASTERDIT_KEYS)
         )
+        resumed = banner_line(args)
+        if resumed:
+            head += "\n" + resumed
         rules = "\n".join(f"  r{i} {r.label} {r.window_text()} {r.span or ''}" for i, r in enumerate(cfg.routes))
-        logger.info("%s\n%s", head, session.banner() if session else format_plan(plan) if plan else rules)
+        show(f"{head}\n{session.banner() if session else format_plan(plan) if plan else rules}", "start banner")
     network.downscale_run = run
     return run
 
@@ -237,17 +251,27 @@ def _install_hook(hook: DownscaleHook, trainer: Any) -> None:
 
 def _wrap_save_and_end(network: Any, accelerator: Any, run: DownscaleRun, args: Any) -> None:
     """Instance wraps: ``ss_downscale_*`` keys on every save (the weights are the inner's, untouched);
-    the end summary at ``accelerator.end_training`` (every rank calls it, so the last reduce is symmetric)."""
+    the end summary at ``accelerator.end_training`` (every rank calls it, so the last reduce is symmetric).
+
+    The run's accelerate state hooks come off at ``end_training``, or, where the main process saves a
+    last state after it (``--save_state`` / ``--save_state_on_train_end``, tn:1722-1723), after the last
+    weights that follow it (tn:1725-1727); the host's state and weight saves are main-process only."""
     save = network.save_weights
     end = accelerator.end_training
 
     def save_weights(file, dtype, metadata):
         if metadata is not None and not getattr(args, "no_metadata", False):
             metadata = {**metadata, **run.metadata()}
-        return save(file, dtype, metadata)
+        try:
+            return save(file, dtype, metadata)
+        finally:
+            if run.finished:
+                run.close()
 
     def end_training(*a, **kw):
         run.finish()
+        if run.rank != 0 or not (getattr(args, "save_state", False) or getattr(args, "save_state_on_train_end", False)):
+            run.close()  # no last state follows here
         return end(*a, **kw)
 
     network.save_weights = save_weights

@@ -38,8 +38,8 @@ def accelerator_devices(device: Device | None) -> tuple[torch.device, ...]:
     device = torch.device(device)
     if device.type == "cpu":
         return ()
-    if device.type == "cuda" and device.index is None:
-        device = torch.device("cuda", torch.cuda.current_device())
+    if device.type in ("cuda", "xpu") and device.index is None:  # the generator the host's "cuda"/"xpu" tensors draw from
+        device = torch.device(device.type, getattr(torch, device.type).current_device())
     return (device,)
 
 

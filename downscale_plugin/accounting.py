@@ -5,7 +5,8 @@ counts: route fractions against the plan's prediction, fallbacks, a token histog
 losses (the host's ``loss/average`` mixes grids, so it cannot show a route drifting) and the
 realized FLOP saving under a :class:`FlopModel`. Counts are plain sums, so ranks combine by
 adding them (:meth:`Accounting.reduced` with ``accelerator.reduce``, or :meth:`~Accounting.state`
-and :meth:`~Accounting.merge`).
+and :meth:`~Accounting.merge`). The per-step reduction also shows whether every rank ran the same
+route that step; steps where they did not (each waits for the slowest rank) are counted.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ from .config import RouteRule
 from .flops import FlopModel
 from .grid import eligibility_table, tokens
 
-FALLBACK_REASONS = ("exhausted", "other")
+FALLBACK_REASONS = ("law_fill", "lead_fill", "other")  # how a coupled step filled the σ its rejection rounds did not find
 
 
 @dataclass(frozen=True)
@@ -135,6 +136,9 @@ class Accounting:
         self._recent: list[deque[float]] = [deque(maxlen=loss_window) for _ in range(slots)]
         self._window = [(0.0, 0.0)] * slots  # (sum, count) of a reduced copy's recent losses
         self._last_slot: int | None = None
+        self._vote = [0.0] * slots  # one-hot of the route recorded since the last reduction
+        self.compared = 0.0  # steps whose routes were compared across ranks, and those where ranks disagreed
+        self.disagreed = 0.0
 
     @staticmethod
     def vocabulary(
@@ -176,6 +180,7 @@ class Accounting:
         self.hist_native[rec.tokens_native] = self.hist_native.get(rec.tokens_native, 0.0) + n
         self.hist_run[rec.tokens_run] = self.hist_run.get(rec.tokens_run, 0.0) + n
         self._last_slot = slot
+        self._vote = [float(i == slot) for i in range(len(self.steps))]
         if rec.loss is not None:
             self._add_loss(slot, rec.loss)
 
@@ -253,6 +258,8 @@ class Accounting:
             out["downscale/flop_saving_pred"] = self.predicted_flop_saving
         for reason, count in self.fallbacks.items():
             out[f"downscale/fallback/{_tag(reason)}"] = count
+        if self.compared:
+            out["downscale/rank_disagree_frac"] = self.disagreed / self.compared
         return out
 
     def summary_text(self) -> str:
@@ -274,6 +281,11 @@ class Accounting:
         routed = self.routed_samples
         means = f": routed samples drawn at mean σ {self.sigma_drawn / routed:.4f}, run at {self.sigma_run / routed:.4f}" if routed else ""
         lines.append(f"  σ policy {self.sigma_policy}{means}")
+        if self.compared:
+            lines.append(
+                f"  ranks ran different routes on {self.disagreed:.0f} of {self.compared:.0f} steps "
+                f"({_pct(self.disagreed / self.compared)}; each waits for the slowest rank)"
+            )
         if n:
             lines.append(
                 f"  tokens per sample: native {self.tokens_native / n:.0f}, run {self.tokens_run / n:.0f} "
@@ -307,6 +319,7 @@ class Accounting:
             "tokens": (self.tokens_native, self.tokens_run),
             "hist_run": dict(self.hist_run),
             "hist_native": dict(self.hist_native),
+            "ranks": (self.compared, self.disagreed),
         }
 
     def merge(self, state: Mapping[str, Any]) -> None:
@@ -326,6 +339,8 @@ class Accounting:
         self.flops_run += state["flops"][1]
         self.tokens_native += state["tokens"][0]
         self.tokens_run += state["tokens"][1]
+        compared, disagreed = state.get("ranks", (0.0, 0.0))  # already over all ranks: the same in every rank's state
+        self.compared, self.disagreed = max(self.compared, compared), max(self.disagreed, disagreed)
         for name in ("hist_run", "hist_native"):
             mine = getattr(self, name)
             for n_tok, c in state[name].items():
@@ -352,6 +367,7 @@ class Accounting:
             float(outside),
             *(self.hist_run.get(n_tok, 0.0) for n_tok in self.token_values),
             *(self.hist_native.get(n_tok, 0.0) for n_tok in self.token_values),
+            *self._vote,
         ]
 
     def reduced(self, fn: Callable[[torch.Tensor], torch.Tensor], device: torch.device | str | None = None) -> Accounting:
@@ -359,7 +375,9 @@ class Accounting:
 
         A collective: every rank must call it, with the same rules and ``token_values``. The token
         histogram is summed over ``token_values``; if any rank saw a token count outside it, the
-        copy keeps this rank's histogram and says so (``histogram_complete`` False).
+        copy keeps this rank's histogram and says so (``histogram_complete`` False). When a step was
+        recorded since the last call, the summed one-hot routes say whether all ranks ran one route:
+        this accounting's ``compared``/``disagreed`` (the same on every rank) count it.
         """
         vec = torch.tensor(self._vector(), dtype=torch.float64, device=device)
         flat = fn(vec).detach().to("cpu", torch.float64).tolist()
@@ -391,4 +409,13 @@ class Accounting:
         else:
             out.hist_run, out.hist_native = dict(self.hist_run), dict(self.hist_native)
             out.histogram_complete = False
+        self._compare(chunk(slots))
+        out.compared, out.disagreed = self.compared, self.disagreed
         return out
+
+    def _compare(self, votes: list[float]) -> None:
+        """Count one step's cross-rank comparison from the rank-summed one-hot routes (none if no step since the last)."""
+        if sum(votes) > 0:
+            self.compared += 1
+            self.disagreed += float(max(votes) < sum(votes))
+        self._vote = [0.0] * len(votes)

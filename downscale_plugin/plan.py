@@ -5,9 +5,9 @@ every probability is an inclusion–exclusion sum of interval masses. The masses
 sampler's closed-form CDF where it has one, else from a sorted Monte-Carlo sample of the sampler
 itself (same strict comparisons as the router, so a discrete grid's atoms land on the right side).
 
-- ``coupled``: the step's category is the first active rule whose window holds the lead σ*, so
-  P(c) = P(σ ∈ W_c and in no higher active window); the step runs c unless the bounded rejection
-  redraw runs out (modelled exactly: the step then runs native).
+- ``coupled``: the step's category c has P(c) = P(σ ∈ W_c and in no higher active window), and
+  the step always runs it; when the bounded rejection runs out, the step's remaining σ are filled
+  from c's conditional (the fill rate is modelled exactly, with the router's per-round cap).
 - ``strict``: P(r) = P(all B σ in W_r and, for no higher active rule h, all B σ in W_h), i.e.
   Σ over subsets S of the higher rules of (−1)^|S| · mass(W_r ∩ ⋂_S W_h)^B.
 - Spans: early/late are deterministic step partitions and spread coins are independent of them;
@@ -28,13 +28,14 @@ from .arch import ArchSpec, get_arch
 from .config import DownscaleConfig, RouteRule, Span
 from .flops import FlopModel, predicted_saving
 from .grid import eligibility, tokens
-from .sigma import ddpm_alphas_cumprod, ddpm_t_to_sigma
+from .router import candidate_rounds
+from .sigma import DiscreteLaw
 
 Window = tuple[float, float | None]  # strict (lo, hi); hi None: no upper bound
 
 
 class Sampler(Protocol):
-    """What ``plan`` needs of a σ sampler (:class:`~downscale_plugin.sigma.SigmaSampler`, :class:`DdpmSampler`)."""
+    """What ``plan`` needs of a σ sampler (:class:`~downscale_plugin.sigma.SigmaSampler`, :class:`~downscale_plugin.sigma.DdpmSampler`)."""
 
     @property
     def has_closed_form(self) -> bool: ...
@@ -44,47 +45,27 @@ class Sampler(Protocol):
     def mass(self, lo: float, hi: float | None, latent_hw: tuple[int, int]) -> float: ...
 
 
-@dataclass(frozen=True)
-class DdpmSampler:
-    """SD1.x/SDXL: t uniform on [min_timestep, max_timestep) (sd-scripts' ``get_timesteps``), as flow σ.
-
-    The distribution is discrete (one atom per timestep), so its window masses are exact counts.
-    ``--zero_terminal_snr`` (a rescaled ᾱ) is not modelled.
-    """
-
-    min_timestep: int = 0
-    max_timestep: int = 1000
-    num_train_timesteps: int = 1000
-
-    has_closed_form = True
-
-    def grid(self) -> torch.Tensor:
-        t = torch.arange(self.min_timestep, self.max_timestep)
-        return ddpm_t_to_sigma(t, ddpm_alphas_cumprod(self.num_train_timesteps))
-
-    def sample(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator | None = None) -> torch.Tensor:
-        t = torch.randint(self.min_timestep, self.max_timestep, (n,), generator=generator)
-        return ddpm_t_to_sigma(t, ddpm_alphas_cumprod(self.num_train_timesteps))
-
-    def mass(self, lo: float, hi: float | None, latent_hw: tuple[int, int]) -> float:
-        g = self.grid()
-        inside = g > lo if hi is None else (g > lo) & (g < hi)
-        return float(inside.double().mean())
-
-
 class _Mass:
-    """Window mass for one bucket: closed form, or a sorted Monte-Carlo sample of the sampler."""
+    """Window mass for one bucket: closed form, the exact atoms of a discrete law, or a sorted
+    Monte-Carlo sample of the sampler (a window of mass 1e-4 needs the exact forms: its fill rate
+    is steep in the mass)."""
 
     def __init__(self, sampler: Sampler, latent_hw: tuple[int, int], mc_samples: int, seed: int):
         self.sampler = sampler
         self.latent_hw = latent_hw
         self.sorted: torch.Tensor | None = None
-        if not sampler.has_closed_form:
+        law = sampler.law(latent_hw) if hasattr(sampler, "law") else None
+        self.atoms = law if isinstance(law, DiscreteLaw) else None
+        if not sampler.has_closed_form and self.atoms is None:
             gen = torch.Generator().manual_seed(seed)
             self.sorted = sampler.sample(mc_samples, latent_hw, generator=gen).reshape(-1).sort().values
 
     def __call__(self, window: Window) -> float:
         lo, hi = window
+        if self.atoms is not None:
+            values = self.atoms.values
+            inside = values > lo if hi is None else (values > lo) & (values < hi)
+            return float(self.atoms.probs[inside].sum())
         if self.sorted is None:
             return self.sampler.mass(lo, hi, self.latent_hw)
         s = self.sorted
@@ -120,12 +101,13 @@ def _log_binom_pmf(k: int, n: int, p: float) -> float:
 
 
 def exhaustion_probability(q: float, batch_size: int, max_tries: int) -> float:
-    """P(the coupled gate's redraw runs out) for a category of mass q.
+    """P(the coupled gate's rejection runs out) for a category of mass q.
 
-    The m ~ Bin(B, 1 − q) host σ outside the category are redrawn from B·(2^max_tries − 1) candidates
-    in all; the step falls back to native when fewer than m of them land in the category.
+    The m ~ Bin(B, 1 − q) host σ outside the category are redrawn from the rounds' candidates
+    (:func:`~downscale_plugin.router.candidate_rounds`: each round is drawn whole, so N candidates
+    in all); rejection runs out when fewer than m of the N land in the category.
     """
-    candidates = batch_size * ((1 << max_tries) - 1)
+    candidates = sum(candidate_rounds(batch_size, max_tries))
     total = 0.0
     for m in range(1, batch_size + 1):
         p_m = math.exp(_log_binom_pmf(m, batch_size, 1.0 - q))
@@ -137,21 +119,19 @@ def exhaustion_probability(q: float, batch_size: int, max_tries: int) -> float:
 def _state_odds(
     active: Sequence[tuple[int, RouteRule]], mass: _Mass, gate: str, batch_size: int, max_tries: int, world_size: int
 ) -> tuple[dict[int, float], float]:
-    """Route probabilities and fallback probability for one fixed set of active rules."""
+    """Route probabilities and fill probability for one fixed set of active rules.
+
+    A coupled step whose rejection runs out still runs its category (the rest of its σ are filled
+    from the category's conditional), so the fill rate does not move the route probabilities.
+    """
     rules = [r for _, r in active]
     power = batch_size if gate == "strict" else 1
     probs = {i: _first_match(r, rules[:k], mass, power) for k, (i, r) in enumerate(active)}
-    native = max(0.0, 1.0 - sum(probs.values()))
-    fallback = 0.0
+    probs[-1] = max(0.0, 1.0 - sum(probs.values()))
+    fill = 0.0
     if gate == "coupled" and (batch_size > 1 or world_size > 1):
-        for i in list(probs):
-            lost = probs[i] * exhaustion_probability(probs[i], batch_size, max_tries)
-            probs[i] -= lost
-            fallback += lost
-        fallback += native * exhaustion_probability(native, batch_size, max_tries)
-        native = 1.0 - sum(probs.values())
-    probs[-1] = native
-    return probs, fallback
+        fill = sum(p * exhaustion_probability(p, batch_size, max_tries) for p in probs.values())
+    return probs, fill
 
 
 def span_states(rules: Sequence[RouteRule], total_forwards: int = 0) -> dict[frozenset[int], float]:
@@ -249,7 +229,7 @@ def route_probabilities(
 
     ``spans_active_fraction`` maps each joint state of the spanned rules (the set active) to its
     fraction of steps; by default :func:`span_states` of the rules at ``total_forwards``. A coupled
-    step whose redraw runs out (``max_tries``) counts as native, as the router runs it.
+    step runs its category whether or not its rejection ran out (``max_tries`` moves only the fill rate).
     """
     if gate not in ("coupled", "strict"):
         raise ValueError(f"gate: {gate!r} is not allowed (allowed: coupled, strict)")
@@ -280,7 +260,7 @@ class BucketPlan:
     targets: dict[int, tuple[int, int]]  # eligible rule → target latent (h, w)
     reasons: dict[int, str]  # ineligible rule → why
     probs: dict[int, float]  # rule index (−1 native) → step probability
-    fallback: float  # probability a step falls back to native after exhausting redraws
+    fallback: float  # probability a coupled step's rejection runs out and fills its remaining σ
     tokens: dict[int, int]  # rule index (−1 native) → image tokens per sample
     token_saving: float
     flop_saving: float
@@ -400,7 +380,9 @@ def format_plan(plan: Plan, sampler_text: str = "") -> str:
         lines.append(f"  r{i:<3}{r.label:<14}{r.window_text():<16}{str(r.span or '-'):<12}{_pct(plan.probs[i]):>9}")
     lines.append(f"  {'native':<46}{_pct(plan.probs[-1]):>9}")
     if plan.fallback >= 5e-4:
-        lines.append(f"  (native includes {_pct(plan.fallback)} of steps falling back after exhausting redraws)")
+        lines.append(
+            f"  ({_pct(plan.fallback)} of steps run out of rejection rounds and fill their remaining σ from the category's conditional; the σ marginal stays exact)"
+        )
     lines.append("")
     lines.append("per bucket (pixels W x H, latent h x w, image tokens; per route: target latent and probability):")
     width = max([20, *(len(s) + 2 for s in labels)])  # no routes (direction loss alone): the header width

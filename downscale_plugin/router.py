@@ -9,13 +9,24 @@ before its σ draw (sd-scripts draws the noise first) and the caller reproduces 
 
 Gates (DESIGN §1.2):
 
-- ``coupled``: a lead σ* drawn under an RNG seeded by (seed, step), identical on every rank, picks
-  the step's category (first eligible, span-active rule whose window holds σ*, else native). Each
-  sample then keeps the host's own draw if it lies in that category, else is redrawn on the rank's
-  private stream, conditioned on it (bounded rejection). Marginal of σ_i: Σ_c P(c)·p(σ|c) = p(σ),
-  exactly, at any batch size. At batch size 1 on one process the host draw itself is the lead
-  (same distribution, no extra draw, every step bitwise the host's).
+- ``coupled``: the step's category c (first eligible, span-active rule whose window holds σ, else
+  native) is drawn with the host's P(c), independently of the host's batch, and identically seeded
+  on every rank: with a σ *law* (``law=``, :mod:`downscale_plugin.sigma`) by one uniform u seeded
+  by (seed, step) mapped through this rank's own P(c) (rules in priority order, native last), so
+  ranks on different buckets agree as often as their P(c) allow; without one by a lead σ* drawn with
+  the host's sampler under an RNG seeded by (seed, step). Each sample then keeps the host's own
+  draw if it lies in c, else is redrawn on the rank's private stream, conditioned on c (bounded
+  rejection: the host's own numbers); what rejection did not find is filled from c's conditional:
+  the law's exact draws, or without a law the lead σ* itself (an exact draw from c's conditional
+  whose value does not depend on whether rejection ran out). Marginal of σ_i: Σ_c P(c)·p(σ|c) =
+  p(σ), exactly, at any batch size and window mass. At batch size 1 on one process the host draw
+  itself is the step's σ and picks c (same distribution, no extra draw, every step bitwise the host's).
 - ``strict``: the seed paper's rule: route to a rule iff every σ in the batch is in its window.
+
+``RouteDecision.sources`` says, per sample, which σ the step runs: its position in the sequence of
+every σ that ``first``/``draw``/``law.draw`` returned during the call, in call order (the host's
+batch first). A host adapter that records each draw in that order replays every sample's own
+(timestep, σ) by position, never by σ value.
 """
 
 from __future__ import annotations
@@ -29,13 +40,21 @@ from .arch import ArchSpec, get_arch
 from .config import DownscaleConfig, RouteRule
 from .grid import rule_ratio, target_grid
 from .rng import forked, seed_forked
+from .sigma import SigmaLaw
 
 SigmaDraw = Callable[[int], torch.Tensor]
 
 _LEAD_STREAM = 0x1EAD
 _PRIVATE_STREAM = 0x5EED
+_LAW_STREAM = 0x1A3
 _MASK64 = (1 << 64) - 1
 _MAX_CANDIDATES = 256  # per rejection round; a host draw may allocate a latent-sized tensor per σ
+_LAW_TRIES = 16  # law draws that round out of the category in the host's dtype are drawn again
+
+
+def candidate_rounds(batch: int, max_tries: int) -> list[int]:
+    """Candidates per rejection round: doubling from the batch size, capped at max(B, 256); each round is drawn whole."""
+    return [min(batch << attempt, max(batch, _MAX_CANDIDATES)) for attempt in range(max_tries)]
 
 
 def _mix(*values: int) -> int:
@@ -51,7 +70,13 @@ def _mix(*values: int) -> int:
 
 @dataclass(frozen=True)
 class RouteDecision:
-    """What one train step runs: the rule (None = native), its grid, and the per-sample σ."""
+    """What one train step runs: the rule (None = native), its grid, and the per-sample σ.
+
+    ``resampled``: samples whose σ is not the host's first draw; ``filled`` of them came after
+    rejection ran out, and ``fallback`` names how (``law_fill``, ``lead_fill``). ``sources``: per
+    sample, the position of its σ among everything the call drew (module docstring; None: the
+    host's first draw in order).
+    """
 
     rule_index: int
     rule: RouteRule | None
@@ -60,6 +85,13 @@ class RouteDecision:
     resampled: int = 0
     fallback: str | None = None
     lead: float | None = None
+    sources: torch.Tensor | None = None
+    filled: int = 0
+
+    @property
+    def source_index(self) -> torch.Tensor:
+        """Per sample, the position of its σ among the call's draws (the host's batch is 0..B−1)."""
+        return self.sources if self.sources is not None else torch.arange(self.sigmas.numel())
 
     @property
     def routed(self) -> bool:
@@ -76,6 +108,33 @@ class _Active:
     index: int
     rule: RouteRule
     target_hw: tuple[int, int]
+
+
+class _Tally:
+    """Counts the σ a route call has received, in order, to give each its ``sources`` position."""
+
+    def __init__(self, start: int):
+        self.count = start
+
+    def take(self, n: int) -> torch.Tensor:
+        out = torch.arange(self.count, self.count + n)
+        self.count += n
+        return out
+
+
+@dataclass
+class _Fill:
+    """One coupled step's per-sample σ and sources while it is being filled."""
+
+    sigmas: torch.Tensor
+    sources: torch.Tensor
+    missing: torch.Tensor  # positions still outside the category
+
+    def put(self, values: torch.Tensor, sources: torch.Tensor) -> None:
+        """Give the first len(values) missing positions these σ."""
+        where, self.missing = self.missing[: values.numel()], self.missing[values.numel() :]
+        self.sigmas[where] = values.to(self.sigmas.dtype)
+        self.sources[where] = sources
 
 
 class Router:
@@ -105,6 +164,7 @@ class Router:
         self.tier_tolerance = float(tier_tolerance)
         self.devices = tuple(devices)
         self._eligible: dict[tuple[int, int], tuple[_Active, ...]] = {}
+        self._masses: tuple[SigmaLaw | None, dict[tuple[int, ...], dict[int, float]]] = (None, {})  # the last law's P(c) per active set
         if any(r.span is not None and r.span.mode != "spread" for r in self.rules) and self.total_forwards <= 0:
             raise ValueError("early/late spans need total_forwards = max_train_steps × gradient_accumulation_steps > 0")
 
@@ -161,7 +221,9 @@ class Router:
         rank: int = 0,
         world_size: int = 1,
         first: Callable[[], torch.Tensor] | None = None,
+        law: SigmaLaw | None = None,
     ) -> RouteDecision:
+        """Route one train step; ``law``: the host sampler's exact σ law on this grid, when it has one."""
         active = self.active(latent_hw, step)
         with forked(self.devices):
             host = (first() if first is not None else draw(batch_size)).reshape(-1)
@@ -169,7 +231,7 @@ class Router:
                 return RouteDecision(-1, None, host, None)
             if self.gate == "strict":
                 return self._strict(host, active)
-            return self._coupled(draw, host, active, step, rank, world_size)
+            return self._coupled(draw, host, active, step, rank, world_size, law)
 
     def _decision(self, index: int, active: Sequence[_Active], sigmas: torch.Tensor, **extra) -> RouteDecision:
         for a in active:
@@ -183,29 +245,98 @@ class Router:
                 return RouteDecision(a.index, a.rule, host, a.target_hw)
         return RouteDecision(-1, None, host, None)
 
+    @staticmethod
+    def _edges(active: Sequence[_Active]) -> list[float]:
+        return [a.rule.sigma_min for a in active] + [a.rule.sigma_max for a in active if a.rule.sigma_max is not None]
+
+    def _law_category(self, law: SigmaLaw, active: Sequence[_Active], idx: int) -> int:
+        """The category of one uniform u, shared by every rank at this step, through this rank's P(c)
+        laid out in priority order, native last: the same u lands in the same category wherever the
+        ranks' cumulative P(c) agree."""
+        masses = self._category_masses(law, active)
+        generator = torch.Generator().manual_seed(_mix(self.seed, idx, _LEAD_STREAM))
+        u = float(torch.rand(1, dtype=torch.float64, generator=generator))
+        order = [a.index for a in active] + [-1]
+        total = 0.0
+        for c in order:
+            total += masses.get(c, 0.0)
+            if u < total:
+                return c
+        return [c for c in order if masses.get(c, 0.0) > 0.0][-1]  # u above a sum rounded below 1
+
+    def _category_masses(self, law: SigmaLaw, active: Sequence[_Active]) -> dict[int, float]:
+        """P(c) under ``law`` for this active set, kept while the caller passes the same law object."""
+        if self._masses[0] is not law:
+            self._masses = (law, {})
+        key = tuple(a.index for a in active)
+        cache = self._masses[1]
+        if key not in cache:
+            cache[key] = law.masses(lambda x: self.categories(x, active), self._edges(active))
+        return cache[key]
+
     def _coupled(
-        self, draw: SigmaDraw, host: torch.Tensor, active: Sequence[_Active], step: int, rank: int, world_size: int
+        self,
+        draw: SigmaDraw,
+        host: torch.Tensor,
+        active: Sequence[_Active],
+        step: int,
+        rank: int,
+        world_size: int,
+        law: SigmaLaw | None,
     ) -> RouteDecision:
         cats = self.categories(host, active)
         batch = host.numel()
         if batch == 1 and world_size == 1:
             return self._decision(int(cats[0]), active, host, lead=float(host[0]))
         idx = self.resume_offset + step
-        seed_forked(_mix(self.seed, idx, _LEAD_STREAM), self.devices)
-        lead = draw(1).reshape(-1)
-        category = int(self.categories(lead, active)[0])
-        missing = (cats != category).nonzero().flatten()
-        if missing.numel() == 0:
-            return self._decision(category, active, host, lead=float(lead[0]))
+        tally = _Tally(batch)
+        lead = lead_source = None
+        if law is not None:
+            category = self._law_category(law, active, idx)
+        else:
+            seed_forked(_mix(self.seed, idx, _LEAD_STREAM), self.devices)
+            lead = draw(1).reshape(-1)
+            lead_source = tally.take(1)
+            category = int(self.categories(lead, active)[0])
+        lead_value = None if lead is None else float(lead[0])
+        fill = _Fill(host.clone(), torch.arange(batch), (cats != category).nonzero().flatten())
+        if fill.missing.numel() == 0:
+            return self._decision(category, active, host, lead=lead_value)
+        resampled = fill.missing.numel()
         seed_forked(_mix(self.seed, idx, rank, _PRIVATE_STREAM), self.devices)
-        sigmas = host.clone()
-        filled = 0
-        for attempt in range(self.max_tries):
-            cand = draw(min(batch << attempt, max(batch, _MAX_CANDIDATES))).reshape(-1).to(sigmas.device)
-            ok = cand[self.categories(cand, active) == category]
-            take = min(ok.numel(), missing.numel() - filled)
-            sigmas[missing[filled : filled + take]] = ok[:take].to(sigmas.dtype)
-            filled += take
-            if filled == missing.numel():
-                return self._decision(category, active, sigmas, resampled=filled, lead=float(lead[0]))
-        return RouteDecision(-1, None, host, None, fallback="exhausted", lead=float(lead[0]))
+        self._reject(draw, fill, category, active, batch, tally)
+        filled, how = fill.missing.numel(), None
+        if filled and law is not None:
+            self._law_fill(law, fill, category, active, tally, _mix(self.seed, idx, rank, _LAW_STREAM))
+            how = "law_fill"
+        elif filled:
+            fill.put(lead.expand(filled), lead_source.expand(filled))
+            how = "lead_fill"
+        return self._decision(
+            category, active, fill.sigmas, resampled=resampled, lead=lead_value, sources=fill.sources, filled=filled, fallback=how
+        )
+
+    def _reject(self, draw: SigmaDraw, fill: _Fill, category: int, active: Sequence[_Active], batch: int, tally: _Tally) -> None:
+        """Bounded rejection from the host's own sampler (the private stream is seeded by the caller)."""
+        for size in candidate_rounds(batch, self.max_tries):
+            cand = draw(size).reshape(-1).to(fill.sigmas.device)
+            sources = tally.take(cand.numel())
+            ok = (self.categories(cand, active) == category).nonzero().flatten()[: fill.missing.numel()]
+            fill.put(cand[ok], sources[ok])
+            if fill.missing.numel() == 0:
+                return
+
+    def _law_fill(self, law: SigmaLaw, fill: _Fill, category: int, active: Sequence[_Active], tally: _Tally, seed: int) -> None:
+        """Fill the rest from the law's conditional on a private generator; a draw that the host's
+        dtype rounds out of the category is drawn again."""
+        generator = torch.Generator().manual_seed(seed)
+        classify = lambda x: self.categories(x, active)  # noqa: E731
+        for _ in range(_LAW_TRIES):
+            cand = law.draw(fill.missing.numel(), category, classify, self._edges(active), generator)
+            cand = cand.to(device=fill.sigmas.device, dtype=fill.sigmas.dtype)
+            sources = tally.take(cand.numel())
+            ok = (self.categories(cand, active) == category).nonzero().flatten()
+            fill.put(cand[ok], sources[ok])
+            if fill.missing.numel() == 0:
+                return
+        raise RuntimeError(f"σ law: {_LAW_TRIES} rounds of conditional draws fell outside category {category}; the law is not the host's")

@@ -21,7 +21,7 @@ from downscale_plugin.grid import (
     tokens,
 )
 from downscale_plugin.hosts.sd_scripts.buckets import sd_scripts_buckets
-from downscale_plugin.sigma import SigmaSampler, ddpm_alphas_cumprod, ddpm_t_to_sigma, flux_mu, sigma_to_ddpm_t
+from downscale_plugin.sigma import DdpmSampler, SigmaSampler, ddpm_alphas_cumprod, ddpm_t_to_sigma, flux_mu, sd3_law, sigma_to_ddpm_t
 
 RESOLUTIONS = (512, 768, 1024, 1280)
 RESO_STEPS = (32, 64)
@@ -319,3 +319,145 @@ def test_scheduler_grid_uniform_scheme_hits_every_index_uniformly():
     assert torch.equal(grid[idx], x)
     counts = torch.bincount(idx, minlength=1000).numpy()
     assert stats.chisquare(counts).pvalue > 1e-3
+
+
+# --- σ laws: the host's distribution, restricted to a window, drawn exactly ----------------------
+
+LAW_SAMPLERS = [
+    pytest.param(SigmaSampler("uniform"), (128, 128), id="uniform"),
+    pytest.param(SigmaSampler("sigmoid", sigmoid_scale=1.3), (128, 128), id="sigmoid"),
+    pytest.param(SigmaSampler("shift", discrete_flow_shift=3.1582), (128, 128), id="shift"),
+    pytest.param(SigmaSampler("flux_shift"), (104, 152), id="flux_shift-1216x832"),
+    pytest.param(SigmaSampler("nextdit_shift"), (128, 128), id="nextdit_shift"),
+]
+
+
+def _classify(lo: float, hi: float):
+    """Category 0 inside the open window (lo, hi), −1 outside: the router's rule for one route."""
+    return lambda x: torch.where((x > lo) & (x < hi), 0, -1)
+
+
+@pytest.mark.parametrize(("sampler", "hw"), LAW_SAMPLERS)
+@pytest.mark.parametrize(("lo", "hi"), [(0.65, 0.95), (0.985, 1.0), (0.0, 0.02)], ids=["wide", "top-tail", "bottom-tail"])
+def test_continuous_law_conditional_is_the_host_restricted_to_the_window(sampler, hw, lo, hi):
+    law = sampler.law(hw)
+    mass = sampler.mass(lo, hi, hw)
+    assert law.masses(_classify(lo, hi), [lo, hi])[0] == pytest.approx(mass, rel=1e-9)
+    x = law.draw(20_000, 0, _classify(lo, hi), [lo, hi], torch.Generator().manual_seed(3)).numpy()
+    assert ((x > lo) & (x < hi)).all()
+    base = sampler.cdf(lo, hw)
+    assert stats.kstest(x, np.vectorize(lambda v: (sampler.cdf(float(v), hw) - base) / mass)).pvalue > 1e-3
+
+
+@pytest.mark.parametrize(("sampler", "hw"), LAW_SAMPLERS)
+def test_quantile_inverts_the_cdf_and_samples_follow_it(sampler, hw):
+    u = torch.linspace(1e-6, 1 - 1e-6, 101, dtype=torch.float64)
+    back = torch.tensor([sampler.cdf(float(v), hw) for v in sampler.quantile(u, hw)], dtype=torch.float64)
+    torch.testing.assert_close(back, u, atol=1e-9, rtol=0)
+    x = sampler.sample(100_000, hw, generator=torch.Generator().manual_seed(4)).double().numpy()
+    assert stats.kstest(x, np.vectorize(lambda v: sampler.cdf(float(v), hw))).pvalue > 1e-3
+
+
+@pytest.mark.parametrize("scheme", ["uniform", "logit_normal", "cosmap"])
+def test_grid_law_atoms_are_the_host_index_frequencies(scheme):
+    sampler = SigmaSampler("sigma", weighting_scheme=scheme, logit_mean=0.3, logit_std=1.2)
+    law = sampler.law((128, 128))
+    assert torch.equal(law.values, sampler.scheduler_sigmas()) and law.probs.sum().item() == pytest.approx(1.0)
+    x = sampler.sample(400_000, (128, 128), generator=torch.Generator().manual_seed(8))
+    idx = torch.searchsorted(-law.values, -x)
+    counts = torch.bincount(idx, minlength=1000).double()
+    expected = law.probs * x.numel()
+    keep = expected > 5
+    chi = float((((counts - expected) ** 2 / expected)[keep]).sum())
+    assert stats.chi2.sf(chi, int(keep.sum()) - 1) > 1e-3
+    assert SigmaSampler("sigma", weighting_scheme="mode").law((128, 128)) is None  # no closed-form inverse
+
+
+def test_ddpm_law_is_the_uniform_integer_timesteps():
+    law = DdpmSampler(100, 900).law((64, 64))
+    assert torch.equal(law.labels, torch.arange(100, 900)) and torch.allclose(law.probs, torch.full((800,), 1 / 800, dtype=torch.float64))
+    inside = _classify(0.5, 0.9)
+    t = law.labels[law.draw_atoms(5000, 0, inside, torch.Generator().manual_seed(0))]
+    sigma = ddpm_t_to_sigma(t, ddpm_alphas_cumprod())
+    assert bool(((sigma > 0.5) & (sigma < 0.9)).all())
+    window = law.labels[inside(law.values) == 0]
+    assert stats.chisquare(torch.bincount(t - window.min(), minlength=window.numel()).numpy()).pvalue > 1e-3
+
+
+def _sd3_host_timesteps(n, t_min, t_max, shift, dtype, generator):
+    """sd3_train_utils.get_noisy_model_input_and_timesteps (sd-scripts 48d368fa) with a logit-normal u."""
+    u = torch.sigmoid(torch.normal(0.0, 1.0, size=(n,), generator=generator))
+    u = (u * shift) / (1 + (shift - 1) * u)
+    return (u * (t_max - t_min) + t_min).long().to(dtype=dtype)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_sd3_law_matches_the_host_integer_timesteps(dtype):
+    law = sd3_law(0, 1000, 3.0, "logit_normal", dtype)
+    t = _sd3_host_timesteps(400_000, 0, 1000, 3.0, dtype, torch.Generator().manual_seed(2))
+    atoms, index = torch.unique(law.labels, return_inverse=True)
+    probs = torch.zeros(atoms.numel(), dtype=torch.float64).index_add_(0, index, law.probs)
+    counts = torch.bincount(torch.searchsorted(atoms.float(), t.float()), minlength=atoms.numel()).double()
+    expected = probs * t.numel()
+    keep = expected > 5
+    assert stats.chi2.sf(float((((counts - expected) ** 2 / expected)[keep]).sum()), int(keep.sum()) - 1) > 1e-3
+    assert torch.equal(law.values, (law.labels / 1000).double())
+
+
+# --- host sampler families: laws from the host's args, replay by position ------------------------
+
+
+def _bound(mode: str, dtype=torch.float32, hw=(8, 8), **knobs):
+    from diffusers import FlowMatchEulerDiscreteScheduler
+
+    from downscale_plugin.hosts.sd_scripts.families import FlowFamily
+    from downscale_plugin.lab import flux_train_utils
+    from downscale_plugin.lab.trainer import lab_args
+
+    args = lab_args(timestep_sampling=mode, **knobs)
+    scheduler = FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=args.discrete_flow_shift)
+    latents = torch.zeros(4, 16, *hw)
+    return FlowFamily(flux_train_utils, "flux").bind(args, scheduler, latents, "cpu", dtype), scheduler, latents, args
+
+
+@pytest.mark.parametrize("mode", ["uniform", "sigmoid", "shift", "flux_shift", "sigma"])
+def test_bound_law_is_the_host_samplers_law(mode):
+    sampler, *_ = _bound(mode, hw=(104, 152), weighting_scheme="logit_normal")
+    assert sampler.law is not None
+    lo, hi = 0.7, 0.9
+    torch.manual_seed(0)
+    host = torch.cat([sampler.draw(256) for _ in range(80)]).numpy()
+    mass = sampler.law.masses(_classify(lo, hi), [lo, hi])[0]
+    inside = float(((host > lo) & (host < hi)).mean())
+    assert abs(inside - mass) < 4 * math.sqrt(mass * (1 - mass) / host.size)
+
+
+def test_bound_law_draws_enter_the_pool_in_the_hosts_dtypes():
+    sampler, *_ = _bound("sigmoid")
+    with torch.random.fork_rng(devices=[]):
+        sampler.first()
+    start = len(sampler.pool.sigmas)
+    drawn = sampler.law.draw(6, 0, _classify(0.9, 0.95), [0.9, 0.95], torch.Generator().manual_seed(1))
+    t, s = sampler.pool.pairs(torch.arange(start, start + 6))
+    assert torch.equal(s, drawn) and torch.equal(drawn.float().double(), drawn)  # rounded to the host's float32 σ
+    assert torch.equal(t, drawn * 1000)  # t = σ·T, as the host pairs them
+    assert _bound("sigma", weighting_scheme="mode")[0].law is None
+
+
+def test_replay_is_by_position_when_bf16_merges_timesteps():
+    # --timestep_sampling sigma in bf16: neighbouring grid timesteps share one bf16 σ
+    sampler, scheduler, latents, args = _bound("sigma", dtype=torch.bfloat16)
+    grid_t, grid_s = scheduler.timesteps, scheduler.sigmas[:1000].to(torch.bfloat16)
+    t16 = grid_t.to(torch.bfloat16)
+    i = next(i for i in range(999) if grid_s[i] == grid_s[i + 1] and t16[i] != t16[i + 1])
+    with torch.random.fork_rng(devices=[]):
+        sampler.first()
+    positions = sampler.pool.add(grid_t[[i, i + 1, i]], grid_s[[i, i + 1, i]])
+    with sampler.replay(positions):
+        from downscale_plugin.lab import flux_train_utils
+
+        _, timesteps, sigmas = flux_train_utils.get_noisy_model_input_and_timesteps(
+            args, scheduler, latents[:3], torch.zeros_like(latents[:3]), "cpu", torch.bfloat16
+        )
+    assert timesteps.tolist() == grid_t[[i, i + 1, i]].to(torch.bfloat16).tolist()  # each sample its own t, not its neighbour's
+    assert timesteps[0] != timesteps[1] and sigmas.flatten()[0] == sigmas.flatten()[1]

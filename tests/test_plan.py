@@ -7,7 +7,6 @@ import torch
 from downscale_plugin.config import RouteRule, Span, load_config
 from downscale_plugin.flops import FlopModel
 from downscale_plugin.plan import (
-    DdpmSampler,
     exhaustion_probability,
     format_plan,
     plan_table,
@@ -15,7 +14,7 @@ from downscale_plugin.plan import (
     span_states,
 )
 from downscale_plugin.router import Router
-from downscale_plugin.sigma import SigmaSampler, ddpm_alphas_cumprod, ddpm_t_to_sigma, flux_mu
+from downscale_plugin.sigma import DdpmSampler, SigmaSampler, ddpm_alphas_cumprod, ddpm_t_to_sigma, flux_mu
 
 HW = (128, 128)  # a 1024 px bucket (flux latent)
 STACKED = (RouteRule(0.65, 0.95, native=1024, target=768), RouteRule(0.5, None, native=1024, target=896))
@@ -85,9 +84,21 @@ def test_gates_agree_at_batch_one(mode):
     assert route_probabilities(STACKED, s, HW, "flux", gate="strict") == pytest.approx(route_probabilities(STACKED, s, HW, "flux"))
 
 
-def test_coupled_exhaustion_is_modelled():
-    # One window of mass ≈ 0.34 and two rejection rounds (12 candidates for up to 4 redraws): about
-    # 15 % of the routed steps run out and fall back to native.
+def _router_fill_rate(rules, batch, steps, max_tries, seed=11):
+    """Fraction of coupled steps whose rejection ran out (filled by the lead: no law passed)."""
+    router = Router(rules, "flux", seed=seed, max_tries=max_tries)
+    draw = _host_draw("sigmoid")
+    torch.default_generator.manual_seed(seed)
+    fills = 0
+    for step in range(1, steps + 1):
+        fills += router.route(draw, batch, HW, step).filled > 0
+        torch.default_generator.manual_seed(seed * 1_000_003 + step)
+    return fills / steps
+
+
+def test_coupled_fill_rate_is_modelled_and_routes_are_not():
+    # One window of mass ≈ 0.34 and two rejection rounds (4 + 8 candidates for up to 4 redraws):
+    # about 15 % of the routed steps run out and fill; they still run their route.
     rule = (RouteRule(0.6, None, native=1024, target=768),)
     s = SigmaSampler("sigmoid")
     q = s.mass(0.6, None, HW)
@@ -95,9 +106,27 @@ def test_coupled_exhaustion_is_modelled():
     assert 0.1 < p_ex < 0.3
     assert exhaustion_probability(q, 4, 8) < 1e-12
     predicted = route_probabilities(rule, s, HW, "flux", gate="coupled", batch_size=4, max_tries=2)
-    assert predicted[0] == pytest.approx(q * (1 - p_ex), rel=1e-6)
+    assert predicted[0] == pytest.approx(q, rel=1e-12)
     steps = 15_000
     _assert_within(predicted, _router_fractions(rule, "sigmoid", "coupled", 4, steps, max_tries=2), steps)
+    cfg = load_config(table={"routes": [{"route": "1024:768", "sigma_min": 0.6}], "max_tries": 2})
+    fill = plan_table(cfg, "flux", s, [HW], batch_size=4).fallback
+    assert fill == pytest.approx(q * p_ex + (1 - q) * exhaustion_probability(1 - q, 4, 2), rel=1e-9)
+    _assert_within({1: fill}, {1: _router_fill_rate(rule, 4, steps, max_tries=2)}, steps)
+
+
+def test_exhaustion_counts_the_capped_rounds():
+    # The issue's case: mass 0.485 %, B = 8, 8 rounds of 8, 16, …, 256, 256, 256 = 1016 candidates
+    # (not 8·255 = 2040, which gives 0.23): rejection runs out on ≈ 87 % of the routed steps, as the
+    # router realizes.
+    s = SigmaSampler("sigmoid")
+    q = s.mass(0.93, None, HW)
+    assert exhaustion_probability(q, 8, 8) == pytest.approx(0.87, abs=0.01)
+    rule = (RouteRule(0.93, None, native=1024, target=768),)
+    cfg = load_config(table={"routes": [{"route": "1024:768", "sigma_min": 0.93}]})
+    predicted = plan_table(cfg, "flux", s, [HW], batch_size=8).fallback
+    steps = 20_000
+    _assert_within({1: predicted}, {1: _router_fill_rate(rule, 8, steps, max_tries=8)}, steps)
 
 
 def test_strict_demote_rate_is_p_to_the_b():

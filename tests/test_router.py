@@ -12,7 +12,7 @@ import torch
 from scipy import stats
 
 from downscale_plugin.config import DownscaleConfig, RouteRule, Span, parse_span
-from downscale_plugin.router import Router
+from downscale_plugin.router import Router, candidate_rounds
 from downscale_plugin.sigma import SigmaSampler
 
 HW = (128, 128)  # Flux latent of a 1024² bucket: in the 1024 tier, eligible for every rule below
@@ -267,25 +267,70 @@ def test_batch_one_single_process_is_the_host_draw(mode):
     assert seen == {-1, 0, 1}
 
 
-def test_exhaustion_falls_back_to_native_with_host_sigma():
-    draw = host_draw(SAMPLERS["uniform"])
+def _tiny_window_around_the_lead(draw, batch=4):
+    """A window of mass 2e-6 around step 1's lead σ: the step's category, which the host's batch and
+    short rejection rounds cannot fill."""
     probe = Router((RouteRule(0.0, None, scale=0.5),), "flux", seed=21)
     torch.manual_seed(0)
-    lead = probe.route(draw, 4, HW, step=1).lead
-    # a window of mass 2e-6 around the lead: the step's category, which 4 host draws and one round
-    # of 4 candidates cannot fill
-    tiny = RouteRule(lead - 1e-6, lead + 1e-6, scale=0.5)
+    lead = probe.route(draw, batch, HW, step=1).lead
+    return lead, RouteRule(lead - 1e-6, lead + 1e-6, scale=0.5)
+
+
+class Recorder:
+    """A host draw that keeps every σ it returns, in order: what ``RouteDecision.sources`` indexes."""
+
+    def __init__(self, sampler: SigmaSampler, hw=HW):
+        self.sampler, self.hw, self.seen = sampler, hw, []
+
+    def __call__(self, n: int) -> torch.Tensor:
+        self.seen.append(self.sampler.sample(n, self.hw))
+        return self.seen[-1]
+
+    def pool(self) -> torch.Tensor:
+        return torch.cat(self.seen)
+
+
+def test_exhaustion_without_a_law_fills_with_the_lead_and_still_routes():
+    draw = host_draw(SAMPLERS["uniform"])
+    lead, tiny = _tiny_window_around_the_lead(draw)
     router = Router((tiny,), "flux", seed=21, max_tries=1)
     torch.manual_seed(0)
     state = torch.get_rng_state()
-    decision = router.route(draw, 4, HW, step=1)
+    recorder = Recorder(SAMPLERS["uniform"])
+    decision = router.route(recorder, 4, HW, step=1)
     assert torch.equal(torch.get_rng_state(), state)
-    host = draw(4)
     assert decision.lead == lead and bool(tiny.in_window(torch.tensor([lead])))
-    assert decision.fallback == "exhausted"
-    assert decision.rule is None and decision.rule_index == -1 and decision.target_hw is None
-    assert not decision.routed and not decision.needs_replay
-    assert torch.equal(decision.sigmas, host)
+    assert decision.rule is tiny and decision.routed and decision.needs_replay  # the category runs: no fallback to native
+    assert decision.fallback == "lead_fill" and decision.filled == 4 and decision.resampled == 4
+    assert decision.sigmas.tolist() == [pytest.approx(lead)] * 4
+    assert decision.sources.tolist() == [4] * 4  # the lead is the σ drawn right after the host's batch
+    assert torch.equal(recorder.pool()[decision.sources], decision.sigmas)
+
+
+def test_exhaustion_with_a_law_fills_from_the_exact_conditional():
+    # window mass 1e-3 and one round of 4 candidates: a routed step almost never finds its σ by rejection
+    top = RouteRule(0.999, None, scale=0.5)
+    router = Router((top,), "flux", seed=21, max_tries=1)
+    law = SAMPLERS["uniform"].law(HW)
+    torch.manual_seed(0)
+    recorder = Recorder(SAMPLERS["uniform"])
+    decision = next(d for d in (router.route(recorder, 4, HW, step, law=law) for step in range(1, 20_001)) if d.routed)
+    assert decision.fallback == "law_fill" and decision.filled >= 3 and decision.lead is None
+    assert bool(top.in_window(decision.sigmas).all()) and decision.sigmas.unique().numel() == 4
+    assert decision.sources.max() >= 4 + 4  # law draws come after the host's batch and the round of 4 (no lead with a law)
+
+
+def test_sources_index_every_samples_own_draw():
+    recorder = Recorder(SAMPLERS["sigmoid"])
+    router = Router(STACK, "flux", seed=3)
+    torch.manual_seed(0)
+    replaced = 0
+    for step in range(1, 201):
+        recorder.seen.clear()
+        d = router.route(recorder, 4, HW, step)
+        assert torch.equal(recorder.pool()[d.source_index], d.sigmas)
+        replaced += int((d.source_index >= 4).sum())
+    assert replaced > 50
 
 
 def test_first_callable_is_the_host_draw_and_kept_where_in_category():
@@ -318,14 +363,14 @@ def test_rejection_rounds_grow_but_stay_capped():
         sizes.append(n)
         return sampler.sample(n, HW)
 
-    probe = Router((RouteRule(0.0, None, scale=0.5),), "flux", seed=21)
-    torch.manual_seed(0)
-    lead = probe.route(draw, 4, HW, step=1).lead
-    router = Router((RouteRule(lead - 1e-6, lead + 1e-6, scale=0.5),), "flux", seed=21, max_tries=10)
+    _, tiny = _tiny_window_around_the_lead(draw)
+    router = Router((tiny,), "flux", seed=21, max_tries=10)
     sizes.clear()
+    torch.manual_seed(0)
     decision = router.route(draw, 4, HW, step=1)
-    assert decision.fallback == "exhausted"
+    assert decision.fallback == "lead_fill"
     assert sizes == [4, 1, 4, 8, 16, 32, 64, 128, 256, 256, 256, 256]  # host, lead, then the rounds
+    assert sizes[2:] == candidate_rounds(4, 10)
 
 
 # --- ranks and reproducibility ------------------------------------------------------------------
@@ -484,3 +529,87 @@ def test_coupled_gate_keeps_host_marginal(coupled_runs, mode, batch):
         pooled = sigmas[routes == c].ravel()
         assert pooled.size > 0.5 * p_c * N_SAMPLES
         assert stats.kstest(pooled, conditional_cdf).pvalue > 1e-3, c
+
+
+# --- ranks on different buckets: one shared uniform through each rank's own P(c) ------------------
+
+WIDE_HW = (104, 152)  # Flux latent of a 1216×832 bucket: the 1024 tier, a different flux_shift μ
+
+
+def _category_probs(sampler: SigmaSampler, hw) -> list[float]:
+    """STACK's categories in priority order, native last."""
+    deep = sampler.mass(0.65, 0.95, hw)
+    shallow = sampler.mass(0.5, 0.65, hw) + sampler.mass(0.95, None, hw)
+    return [deep, shallow, 1.0 - deep - shallow]
+
+
+def _bucket_decisions(hw, rank: int, steps: int, law: bool):
+    sampler = SAMPLERS["flux_shift"]
+    router = Router(STACK, "flux", seed=77)
+    draw = host_draw(sampler, hw)
+    torch.manual_seed(100 + rank)
+    out = []
+    for step in range(1, steps + 1):
+        out.append(router.route(draw, 2, hw, step, rank=rank, world_size=2, law=sampler.law(hw) if law else None))
+        draw(2)
+    return out
+
+
+def test_ranks_on_different_buckets_agree_as_the_shared_uniform_allows():
+    steps = 6000
+    a, b = (_bucket_decisions(hw, rank, steps, law=True) for rank, hw in enumerate((HW, WIDE_HW)))
+    disagree = sum(x.rule_index != y.rule_index for x, y in zip(a, b, strict=True)) / steps
+    pa, pb = (_category_probs(SAMPLERS["flux_shift"], hw) for hw in (HW, WIDE_HW))
+    # the same u lands in different categories where the cumulative P(c) differ
+    expected = abs(pa[0] - pb[0]) + abs(pa[0] + pa[1] - pb[0] - pb[1])
+    assert abs(disagree - expected) <= 4 * math.sqrt(expected / steps)
+    for decisions, probs in ((a, pa), (b, pb)):  # each rank's own marginal P(c), exactly
+        for index, p in zip((0, 1, -1), probs, strict=True):
+            freq = sum(d.rule_index == index for d in decisions) / steps
+            assert abs(freq - p) <= 4 * math.sqrt(p * (1 - p) / steps)
+        assert all(bool(in_category(d.sigmas, d.rule_index, STACK).all()) for d in decisions)
+
+
+def _gloo_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
+    import torch.distributed as dist
+
+    from downscale_plugin.accounting import Accounting, StepRecord
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    try:
+        hw = (HW, WIDE_HW)[rank]
+        accounting = Accounting(STACK, token_values=Accounting.vocabulary([HW, WIDE_HW], STACK, "flux", 0.1))
+
+        def all_reduce(vector: torch.Tensor) -> torch.Tensor:
+            dist.all_reduce(vector)
+            return vector
+
+        routes = []
+        for decision in _bucket_decisions(hw, rank, steps, law=True):  # as hosts/sd_scripts/run.py: record, reduce
+            accounting.record(StepRecord.from_decision(len(routes) + 1, decision, hw, "flux"))
+            totals = accounting.reduced(all_reduce)
+            routes.append(decision.rule_index)
+        torch.save(
+            {"routes": routes, "compared": totals.compared, "disagreed": totals.disagreed, "summary": totals.summary_text()},
+            f"{out_dir}/{rank}.pt",
+        )
+    finally:
+        dist.destroy_process_group()
+
+
+def test_two_gloo_ranks_on_different_buckets_count_their_disagreements(tmp_path):
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    steps = 1500
+    mp.spawn(_gloo_rank, args=(port, steps, str(tmp_path)), nprocs=2, join=True)
+    r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
+    differ = sum(x != y for x, y in zip(r0["routes"], r1["routes"], strict=True))
+    assert differ > 0  # 1024² and 1216×832 under flux_shift: P(c) differ, so some steps must
+    assert (r0["compared"], r0["disagreed"]) == (r1["compared"], r1["disagreed"]) == (steps, differ)
+    assert f"ranks ran different routes on {differ} of {steps} steps" in r0["summary"]

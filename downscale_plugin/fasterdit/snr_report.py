@@ -76,7 +76,7 @@ def _finite(parts: list[torch.Tensor]) -> np.ndarray:
 def build_report(
     stds: LatentStds, sampler, arch: ArchSpec, policy: str = "keep", samples: int = 200_000, bins: int = 160, seed: int = 0
 ) -> SnrReport:
-    """Densities and the training mixture for ``sampler`` (a ``SigmaSampler`` or plan's ``DdpmSampler``)."""
+    """Densities and the training mixture for ``sampler`` (a ``SigmaSampler`` or a ``DdpmSampler``)."""
     gen = torch.Generator().manual_seed(seed)
     s_native = stds.native.std
     native, mixed = [], []

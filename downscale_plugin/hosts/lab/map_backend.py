@@ -26,7 +26,7 @@ per-channel norm; lossy, C of 48 directions kept):
   image to [0, 1] would be no fix: the decoded pixels are far outside it, ~25 % of values, and the
   clamp moves the latent by 30–50 %.)
 
-Policies and positions (issue 5): a small-grid arm's step runs at ``shift_sigma(σ, k)`` with the
+Policies and positions (fasterdit/policies.py, fasterdit/positions.py): a small-grid arm's step runs at ``shift_sigma(σ, k)`` with the
 policy's factor k (``res_shift`` from the token counts, ``snr_match`` from the data stds of the
 native probe latents and of this arm's small inputs, pooled over every probe), replayed through the
 host sampler slot; with ``interpolate`` the forward runs inside ``positions_scope`` (Flux ids from
@@ -260,7 +260,8 @@ class LabBackend:
         """One draw of the trainer's loss; the step runs at the arm's policy σ (timestep σ·1000, the
         host's continuous-mode value), inside the positions scope for an interpolating arm."""
         key = float(shift_sigma(sigma, arm_input.shift)) if arm_input.shift != 1.0 else float(sigma)
-        self.sampler.drawn[key] = (key * self.noise_scheduler.config.num_train_timesteps, key)
+        sigma_key = torch.tensor([key], dtype=torch.float64)
+        position = self.sampler.pool.add(sigma_key * self.noise_scheduler.config.num_train_timesteps, sigma_key)
         probe = self.probes[image]
         batch = {
             "latents": arm_input.latents,
@@ -270,7 +271,7 @@ class LabBackend:
         }
         small_hw = tuple(arm_input.latents.shape[-2:])
         scope = positions_scope(self.arch, self.cfg.native_hw, small_hw, module=self.flux_utils) if arm_input.interpolate else nullcontext()
-        with self.sampler.replay(torch.tensor([key], dtype=torch.float64)), scope:
+        with self.sampler.replay(position), scope:
             return self.trainer.process_batch(
                 batch, self.text_encoder, self.model, self.model, self.noise_scheduler, torch.float32, self.accelerator, self.args
             )

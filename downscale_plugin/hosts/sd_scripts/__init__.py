@@ -70,7 +70,9 @@ def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weigh
     network, weights_sd = module.create_network_from_weights(
         multiplier, file, vae, text_encoder, unet, weights_sd=weights_sd, for_inference=for_inference, **inner_kwargs
     )
-    if ctx is not None and not for_inference:  # --dim_from_weights: this is the training network (train_network.py builds it from the weights file)
+    if (
+        ctx is not None and not for_inference
+    ):  # --dim_from_weights: this is the training network (train_network.py builds it from the weights file)
         network = _attach(network, name, plugin_keys)
     return network, weights_sd
 

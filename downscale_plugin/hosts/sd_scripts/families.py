@@ -9,9 +9,16 @@ scoped replacement of that attribute is seen by exactly the call it wraps (host-
 - ``sd3``: ``library.sd3_train_utils.get_noisy_model_input_and_timesteps`` (no noise_scheduler arg)
 - ``ddpm``: ``library.train_util.get_timesteps`` (SD1.x/SDXL integer t, mapped to flow σ by SNR)
 
-A replay returns exactly what the host sampler would have returned for those σ: the same
+A replay returns exactly what the host sampler would have returned for those samples: the same
 timesteps and σ values and dtypes the host produced when it drew them, the noisy input built the
 host's way at whatever grid the latents now have, and ``--ip_noise_gamma`` drawn at that grid.
+Each sample is replayed by its position in the step's :class:`Pool` (every pair drawn, in draw
+order: the router's ``RouteDecision.sources``), never by σ value: in bf16 several of the ``sigma``
+grid's timesteps share one σ.
+
+Each bound sampler also carries the host mode's exact σ law (``BoundSampler.law``, None where the
+mode has none), built from the host's own arguments and scheduler arrays, so the coupled gate can
+fill what rejection did not find with exact draws that replay like the host's own.
 It first runs the host's own σ draw and discards it, so the host's RNG stream advances exactly as
 without the plugin: skipping it would leave, e.g., torch's cached second Box-Muller normal in place
 and every later step would draw the same σ.
@@ -21,18 +28,64 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any
 
 import torch
 
 from ...scope import swap_attr
-from ...sigma import ddpm_t_to_sigma, sigma_to_ddpm_t
+from ...sigma import LAW_MODES, DiscreteLaw, SigmaLaw, SigmaSampler, ddpm_law, ddpm_t_to_sigma, grid_law, sd3_law, sigma_to_ddpm_t
 
 FLOW_CONTRACTS = ("flux", "lumina", "sd3")
 # Modes whose σ depends on the latent's h, w (the μ shift): candidates must keep the native grid.
 GRID_DEPENDENT_MODES = ("flux_shift", "nextdit_shift")
+
+
+@dataclass
+class Pool:
+    """Every (timestep, σ) pair one bound sampler produced, in draw order (float64, CPU)."""
+
+    timesteps: list[float] = field(default_factory=list)
+    sigmas: list[float] = field(default_factory=list)
+
+    def add(self, timesteps: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+        """Record host-made pairs; returns their positions."""
+        start = len(self.sigmas)
+        self.timesteps.extend(timesteps.detach().reshape(-1).double().cpu().tolist())
+        self.sigmas.extend(sigmas.detach().reshape(-1).double().cpu().tolist())
+        return torch.arange(start, len(self.sigmas))
+
+    def pairs(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(timesteps, σ) at these positions, float64."""
+        index = positions.reshape(-1).tolist()
+        t = torch.tensor([self.timesteps[i] for i in index], dtype=torch.float64)
+        return t, torch.tensor([self.sigmas[i] for i in index], dtype=torch.float64)
+
+
+def _record(pool: Pool, timesteps: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
+    """Record host (t, σ) per sample; return σ as the float64 values the router compares and hands back."""
+    pool.add(timesteps, sigmas)
+    return sigmas.detach().reshape(-1).double().cpu()
+
+
+@dataclass(frozen=True)
+class PooledLaw:
+    """A σ law whose draws enter the step's pool like the host's own: an atom as its host (t, σ) pair, a
+    continuous draw rounded to the host's σ dtype and paired as ``pair`` says (the host's t = σ·T)."""
+
+    law: SigmaLaw
+    pool: Pool
+    pair: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # continuous laws only
+
+    def masses(self, classify: Callable, edges: Any) -> dict[int, float]:
+        return self.law.masses(classify, edges)
+
+    def draw(self, n: int, category: int, classify: Callable, edges: Any, generator: torch.Generator) -> torch.Tensor:
+        if isinstance(self.law, DiscreteLaw):
+            atoms = self.law.draw_atoms(n, category, classify, generator)
+            return _record(self.pool, self.law.labels[atoms], self.law.values[atoms])
+        return _record(self.pool, *self.pair(self.law.draw(n, category, classify, edges, generator)))
 
 
 @dataclass
@@ -41,22 +94,41 @@ class BoundSampler:
 
     ``first()`` reproduces the host's RNG use up to and including its σ draw (sd-scripts draws the
     noise first), so under a forked RNG it returns the σ the host is about to draw. ``draw(n)``
-    returns n fresh σ the host's way. Both remember each σ's host-made (timestep, σ) values so a
-    replay hands the host back its own numbers.
+    returns n fresh σ the host's way. Both, and ``law``'s draws, record each sample's host-made
+    (timestep, σ) in ``pool``; ``replay(positions)`` hands the host back those pairs.
     """
 
     first: Callable[[], torch.Tensor]
     draw: Callable[[int], torch.Tensor]
     replay: Callable[[torch.Tensor], Any]
-    drawn: dict[float, tuple[float, float]] = field(default_factory=dict)
+    pool: Pool
+    law: PooledLaw | None = None
 
 
-def _remember(drawn: dict[float, tuple[float, float]], timesteps: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """Record host (t, σ) per sample; return σ as float64 keys the router compares and hands back."""
-    keys = sigmas.detach().reshape(-1).double().cpu()
-    for k, t in zip(keys.tolist(), timesteps.detach().reshape(-1).double().cpu().tolist(), strict=True):
-        drawn[k] = (t, k)
-    return keys
+def _flow_law(args: Any, contract: str, noise_scheduler: Any, latent_hw: tuple[int, int], dtype: Any) -> SigmaLaw | None:
+    """The exact law of the host's flow σ draw for these args (None: a mode or density without one).
+
+    flux_train_utils / lumina_train_util: ``uniform``, ``sigmoid``, ``shift``, ``flux_shift`` and (Lumina)
+    ``nextdit_shift`` in closed form; ``sigma``: t = scheduler.timesteps[⌊u·T⌋], σ = scheduler.sigmas
+    at that index in the weight dtype; sd3_train_utils: its integer-t law (:func:`sd3_law`).
+    """
+    get = lambda name, default: getattr(args, name, default)  # noqa: E731
+    scheme, mean, std = get("weighting_scheme", "uniform"), get("logit_mean", 0.0), get("logit_std", 1.0)
+    if contract == "sd3":
+        t_min = 0 if get("min_timestep", None) is None else args.min_timestep
+        t_max = 1000 if get("max_timestep", None) is None else args.max_timestep
+        return sd3_law(t_min, t_max, float(get("training_shift", 1.0)), scheme, dtype, mean, std)
+    mode = get("timestep_sampling", None)
+    if mode in LAW_MODES and (mode != "nextdit_shift" or contract == "lumina"):
+        sampler = SigmaSampler(
+            mode, sigmoid_scale=float(get("sigmoid_scale", 1.0)), discrete_flow_shift=float(get("discrete_flow_shift", 1.0))
+        )
+        return sampler.law(latent_hw)
+    if mode == "sigma":
+        timesteps = noise_scheduler.timesteps.detach().cpu()
+        values = noise_scheduler.sigmas.detach().cpu().to(dtype)[: timesteps.numel()]
+        return grid_law(values.double(), timesteps, scheme, mean, std)  # as the float64 keys _record hands the router
+    return None
 
 
 class FlowFamily:
@@ -78,14 +150,16 @@ class FlowFamily:
             return fn(args, latents, noise, device, dtype)
         return fn(args, noise_scheduler, latents, noise, device, dtype)
 
+    def _steps(self, noise_scheduler: Any) -> int:
+        return 1000 if self.contract == "sd3" else noise_scheduler.config.num_train_timesteps
+
     def remember(self, sampler: BoundSampler, noise_scheduler: Any, sigmas: torch.Tensor) -> torch.Tensor:
         """Make σ the host did not draw (a σ policy's map) replayable: t = σ·T, as every continuous host mode pairs them
-        (sd3: T = 1000 fixed). Returns the replay keys."""
-        steps = 1000 if self.contract == "sd3" else noise_scheduler.config.num_train_timesteps
-        return _remember(sampler.drawn, sigmas.double() * steps, sigmas)
+        (sd3: T = 1000 fixed). Returns their pool positions."""
+        return sampler.pool.add(sigmas.double() * self._steps(noise_scheduler), sigmas)
 
     def bind(self, args: Any, noise_scheduler: Any, latents: torch.Tensor, device: Any, dtype: Any) -> BoundSampler:
-        drawn: dict[float, tuple[float, float]] = {}
+        pool = Pool()
         out_dtypes: dict[str, torch.dtype] = {}
         fn = getattr(self.module, self.fn_name)
 
@@ -100,25 +174,28 @@ class FlowFamily:
             _, timesteps, sigmas = self._call(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
             out_dtypes.setdefault("t", timesteps.dtype)
             out_dtypes.setdefault("s", sigmas.dtype)
-            return _remember(drawn, timesteps, sigmas)
+            return _record(pool, timesteps, sigmas)
 
         def first() -> torch.Tensor:
             torch.randn_like(latents)  # the host draws its noise before σ: advance the RNG the same way
             return sample(latents.shape[0])
 
-        draw = sample
-
         def consume_draw() -> None:
             dummy = latents.new_zeros((latents.shape[0], 1, *grid))
             self._call(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
 
-        def replay(sigmas: torch.Tensor):
-            pairs = [drawn[k] for k in sigmas.double().cpu().tolist()]
-            t_values = torch.tensor([p[0] for p in pairs], dtype=torch.float64)
-            s_values = torch.tensor([p[1] for p in pairs], dtype=torch.float64)
+        def replay(positions: torch.Tensor):
+            t_values, s_values = pool.pairs(positions)
             return swap_attr(self.module, self.fn_name, self._replay_fn(t_values, s_values, out_dtypes, consume_draw))
 
-        return BoundSampler(first, draw, replay, drawn)
+        steps = self._steps(noise_scheduler)
+
+        def pair(sigmas: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            rounded = sigmas.to(out_dtypes.get("s", torch.float32)).double()  # the host's σ dtype (known after first())
+            return rounded * steps, rounded
+
+        law = _flow_law(args, self.contract, noise_scheduler, tuple(latents.shape[-2:]), dtype)
+        return BoundSampler(first, sample, replay, pool, None if law is None else PooledLaw(law, pool, pair))
 
     def _replay_fn(
         self, t_values: torch.Tensor, s_values: torch.Tensor, out_dtypes: dict[str, torch.dtype], consume_draw: Callable[[], None]
@@ -160,19 +237,18 @@ class DDPMFamily:
         self.module = module
 
     def remember(self, sampler: BoundSampler, noise_scheduler: Any, sigmas: torch.Tensor) -> torch.Tensor:
-        """Make σ the host did not draw replayable: the nearest integer timestep; returns its σ as the replay keys."""
+        """Make σ the host did not draw replayable: the nearest integer timestep; returns the pool positions."""
         t = sigma_to_ddpm_t(sigmas, noise_scheduler.alphas_cumprod)
-        return _remember(sampler.drawn, t, ddpm_t_to_sigma(t, noise_scheduler.alphas_cumprod))
+        return sampler.pool.add(t, ddpm_t_to_sigma(t, noise_scheduler.alphas_cumprod))
 
     def bind(self, args: Any, noise_scheduler: Any, latents: torch.Tensor, device: Any, dtype: Any) -> BoundSampler:
-        drawn: dict[float, tuple[float, float]] = {}
+        pool = Pool()
         alphas = noise_scheduler.alphas_cumprod
         t_min = 0 if args.min_timestep is None else args.min_timestep
         t_max = noise_scheduler.config.num_train_timesteps if args.max_timestep is None else args.max_timestep
 
         def keys(t: torch.Tensor) -> torch.Tensor:
-            sigmas = ddpm_t_to_sigma(t, alphas)
-            return _remember(drawn, t, sigmas)
+            return _record(pool, t, ddpm_t_to_sigma(t, alphas))
 
         def first() -> torch.Tensor:
             _, _, t = self.module.get_noise_noisy_latents_and_timesteps(args, noise_scheduler, latents)
@@ -181,8 +257,8 @@ class DDPMFamily:
         def draw(n: int) -> torch.Tensor:
             return keys(self.module.get_timesteps(t_min, t_max, n, latents.device))
 
-        def replay(sigmas: torch.Tensor):
-            t = torch.tensor([drawn[k][0] for k in sigmas.double().cpu().tolist()], dtype=torch.long)
+        def replay(positions: torch.Tensor):
+            t = pool.pairs(positions)[0].long()
             original = self.module.get_timesteps
 
             def replayed(min_t: int, max_t: int, b: int, dev: Any) -> torch.Tensor:
@@ -191,4 +267,6 @@ class DDPMFamily:
 
             return swap_attr(self.module, self.fn_name, replayed)
 
-        return BoundSampler(first, draw, replay, drawn)
+        atoms = ddpm_law(t_min, t_max, alphas)
+        law = PooledLaw(replace(atoms, values=atoms.values.double()), pool)  # classified as the float64 keys _record hands the router
+        return BoundSampler(first, draw, replay, pool, law)

@@ -1,4 +1,4 @@
-"""What the router did, and what it saved (DESIGN §4).
+"""What the router did, and what it saved (docs/ARCHITECTURE.md §5).
 
 Per train step one :class:`StepRecord` (route, σ, tokens run); :class:`Accounting` keeps running
 counts: route fractions against the plan's prediction, fallbacks, a token histogram, per-route

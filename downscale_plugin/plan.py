@@ -1,4 +1,4 @@
-"""The math behind ``plan``: how often each route fires, and what that saves (DESIGN §3, §4).
+"""The math behind ``plan``: how often each route fires, and what that saves (docs/ARCHITECTURE.md §5).
 
 Windows are intervals on the σ axis and the router's decisions are first-match rules over them, so
 every probability is an inclusion–exclusion sum of interval masses. The masses come from the

@@ -7,7 +7,7 @@ stream is never advanced). The step's first draw runs on the host's current RNG 
 the σ the host would draw next: ``draw(batch_size)``, or ``first()`` when the host consumes RNG
 before its σ draw (sd-scripts draws the noise first) and the caller reproduces that.
 
-Gates (DESIGN §1.2):
+Gates (docs/ARCHITECTURE.md §2):
 
 - ``coupled``: the step's category c (first eligible, span-active rule whose window holds σ, else
   native) is drawn with the host's P(c), independently of the host's batch, and identically seeded

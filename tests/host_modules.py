@@ -76,3 +76,26 @@ def run_double(arch: str, *argv: str, network_module: str = "downscale_plugin", 
     trainer = trainer if trainer is not None else trainer_class(arch)()
     trainer.train(double_args(arch, *argv, network_module=network_module, downscale=downscale))
     return trainer
+
+
+def explicit_hook_class(arch: str):
+    """``arch``'s trainer class with the explicit call points that patches/sd-scripts-48d368fa-explicit-hook.patch
+    adds to ``NetworkTrainer``: the plugin sets the two hooks instead of wrapping the instance's methods."""
+
+    class Patched(trainer_class(arch)):
+        noise_pred_and_target_hook = None
+        step_logs_hook = None
+
+        def get_noise_pred_and_target(self, *call, is_train=True):
+            own = super().get_noise_pred_and_target
+            if self.noise_pred_and_target_hook is None:
+                return own(*call, is_train=is_train)
+            return self.noise_pred_and_target_hook(own, *call, is_train=is_train)
+
+        def generate_step_logs(self, *args):
+            logs = super().generate_step_logs(*args)
+            if self.step_logs_hook is not None:
+                self.step_logs_hook(logs, args[1])
+            return logs
+
+    return Patched

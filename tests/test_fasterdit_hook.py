@@ -26,6 +26,7 @@ from downscale_plugin.lab import trainer as lab_trainer
 from downscale_plugin.lab.data import LabData, LabDataConfig
 from downscale_plugin.lab.model import LabModelConfig, LabTextEncoder, build_model
 from downscale_plugin.lab.trainer import LabAccelerator, LabTrainer, lab_args, make_noise_scheduler, train_lora
+from downscale_plugin.scope import Patches
 
 TINY = LabModelConfig(hidden_size=32, num_heads=2, double_layers=1, single_layers=1, latent_channels=4,
                       text_tokens=4, text_dim=16, pooled_dim=8)  # fmt: skip
@@ -211,4 +212,4 @@ def test_hook_without_process_batch_is_refused_when_the_term_is_on():
 
     hook = DownscaleHook(None, None, options=StepOptions(direction_loss_weight=0.1, loss_module=lab_trainer))
     with pytest.raises(AttributeError, match="process_batch"):
-        hook.install(Bare())
+        hook.install(Bare(), Patches())

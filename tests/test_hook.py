@@ -15,6 +15,7 @@ from downscale_plugin.hosts.sd_scripts.families import FlowFamily
 from downscale_plugin.hosts.sd_scripts.hook import DownscaleHook
 from downscale_plugin.lab import flux_train_utils
 from downscale_plugin.router import Router
+from downscale_plugin.scope import Patches
 from downscale_plugin.sigma import SigmaSampler
 
 
@@ -46,7 +47,7 @@ def test_consecutive_steps_draw_fresh_sigma(batch_size, window):
     route = {"scale": 0.5, "sigma_min": window[0]}
     router = Router.from_config(load_config(table={"routes": [route]}), "flux", seed=3, total_forwards=0)
     trainer = _Trainer()
-    DownscaleHook(router, FlowFamily(flux_train_utils, "flux")).install(trainer)
+    DownscaleHook(router, FlowFamily(flux_train_utils, "flux")).install(trainer, Patches())
     torch.manual_seed(0)
     latents = torch.zeros(batch_size, 4, 16, 16)
     accelerator = types.SimpleNamespace(device=torch.device("cpu"))

@@ -18,7 +18,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from host_modules import ARCHS, host_modules, run_double, trainer_class
+from host_modules import ARCHS, explicit_hook_class, host_modules, run_double, trainer_class
 from safetensors import safe_open
 
 from downscale_plugin.fasterdit.policies import shift_sigma
@@ -46,6 +46,26 @@ def decisions(monkeypatch):
 
     monkeypatch.setattr(sd_scripts_start.HostRouter, "route", spy)
     return seen
+
+
+@pytest.fixture
+def installed(monkeypatch):
+    """``installed(arch)``: the trainer's instance attributes at every step's logs, while the run's patches are
+    on (the run's end takes them off)."""
+    seen = []
+
+    def install(arch):
+        cls = trainer_class(arch)
+        logs = cls.generate_step_logs
+
+        def spy(self, *args, **kwargs):
+            seen.append(set(vars(self)))
+            return logs(self, *args, **kwargs)
+
+        monkeypatch.setattr(cls, "generate_step_logs", spy)
+        return seen
+
+    return install
 
 
 @pytest.fixture
@@ -220,31 +240,13 @@ def test_sampler_slot_is_restored_when_the_host_raises(arch):
     assert torch.isfinite(_process(trainer, run, _batch(trainer, 3), is_train=True))
 
 
-def test_explicit_call_points_of_the_patched_host_are_used_instead_of_wrapping():
-    flux = trainer_class("flux")
-
-    class PatchedFlux(flux):
-        """What patches/sd-scripts-48d368fa-explicit-hook.patch adds to NetworkTrainer."""
-
-        noise_pred_and_target_hook = None
-        step_logs_hook = None
-
-        def get_noise_pred_and_target(self, *call, is_train=True):
-            own = super().get_noise_pred_and_target
-            if self.noise_pred_and_target_hook is None:
-                return own(*call, is_train=is_train)
-            return self.noise_pred_and_target_hook(own, *call, is_train=is_train)
-
-        def generate_step_logs(self, *args):
-            logs = super().generate_step_logs(*args)
-            if self.step_logs_hook is not None:
-                self.step_logs_hook(logs, args[1])
-            return logs
-
+def test_explicit_call_points_of_the_patched_host_are_used_instead_of_wrapping(installed):
+    during = installed("flux")
     downscale = {**ALL_ROUTED, "direction_loss_weight": 0.5}
-    trainer = run_double("flux", "--resolution", RES, "--max_train_steps", "2", downscale=downscale, trainer=PatchedFlux())
-    assert "get_noise_pred_and_target" not in vars(trainer) and "generate_step_logs" not in vars(trainer)
-    assert "process_batch" in vars(trainer)  # the patch has no call point around the loss: the direction loss wraps it
+    trainer = run_double("flux", "--resolution", RES, "--max_train_steps", "2", downscale=downscale, trainer=explicit_hook_class("flux")())
+    assert {"noise_pred_and_target_hook", "step_logs_hook"} <= during[0]
+    assert "get_noise_pred_and_target" not in during[0] and "generate_step_logs" not in during[0]
+    assert "process_batch" in during[0]  # the patch has no call point around the loss: the direction loss wraps it
     assert [c["shape"] for c in trainer.last_run.unet.calls] == [small_input("flux", 1)] * 2
     records = trainer.last_run.accelerator.trackers[0].records
     assert records[-1][1]["downscale/steps"] == 2.0
@@ -255,12 +257,13 @@ def test_explicit_call_points_of_the_patched_host_are_used_instead_of_wrapping()
 FASTERDIT = ("ds_sigma_policy=res_shift", "ds_positions=interpolate")
 
 
-def test_fasterdit_keys_reach_the_flux_step_through_network_args(decisions):
+def test_fasterdit_keys_reach_the_flux_step_through_network_args(decisions, installed):
+    during = installed("flux")
     argv = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "2", "--seed", "3")
     trainer = run_double("flux", *argv, "--network_args", "ds_direction_loss_weight=0.5", *FASTERDIT, downscale=ALL_ROUTED)
     run, state = trainer.last_run, trainer.last_run.network.downscale_run
     assert (state.cfg.direction_loss_weight, state.cfg.sigma_policy, state.cfg.positions) == (0.5, "res_shift", "interpolate")
-    assert "process_batch" in vars(trainer)
+    assert all("process_batch" in attributes for attributes in during)
     assert len(decisions) == len(run.unet.calls) == 2
     for decision, call in zip(decisions, run.unet.calls, strict=True):  # 16 of 64 tokens: k = √(16/64)
         torch.testing.assert_close(call["t"].double(), shift_sigma(decision.sigmas.double(), 0.5), atol=1e-6, rtol=0)
@@ -273,8 +276,9 @@ def test_fasterdit_keys_reach_the_flux_step_through_network_args(decisions):
         "sigma_policy": "res_shift",
         "positions": "interpolate",
     }
+    during.clear()
     without = run_double("flux", *argv, "--network_args", *FASTERDIT, downscale=ALL_ROUTED)
-    assert "process_batch" not in vars(without)
+    assert during and not any("process_batch" in attributes for attributes in during)
     assert run.losses[0] > without.last_run.losses[0]  # step 1: same σ, noise and weights, plus λ·mean(1 − cos)
 
 

@@ -8,6 +8,7 @@ the resume offset from the loop, and fail early with errors that say what is wro
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import sys
@@ -16,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from host_modules import ARCHS, double_args, run_double, trainer_class
+from host_modules import ARCHS, double_args, explicit_hook_class, run_double, trainer_class
 from safetensors import safe_open
 from safetensors.torch import load_file
 
@@ -26,6 +27,7 @@ from downscale_plugin.config import ConfigError, load_config, read_plugin_toml
 from downscale_plugin.hosts.kohya import config_from_training_toml
 from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
 from downscale_plugin.hosts.sd_scripts.facts import KNOWN_INNERS, HostError
+from downscale_plugin.hosts.sd_scripts.trainer import find_trainer
 
 ALL_ROUTED = {"routes": [{"scale": 0.5, "sigma_min": 0.0}]}
 RES = ("--resolution", "128,128")
@@ -137,6 +139,64 @@ def test_total_forwards_and_resume_offset_are_read_from_the_loop():
     assert run.args.max_train_steps == 8 and run.global_step == 4
     assert [c["shape"] for c in run.unet.calls] == [(1, 4, 8, 8)] * 3
     assert run.network.downscale_run.router.resume_offset == 5
+
+
+# -- the run's patches: all off at its end ------------------------------------------------------------------------
+
+LAMBDA = {**ALL_ROUTED, "direction_loss_weight": 0.5}  # process_batch is wrapped too
+MAP = {"mode": "map", "map_ratios": [0.5], "map_bins": "0,0.5,1", "map_draws": 2, "map_images": 2}
+# id → (argv, config, the trainer has the explicit call points, the run ends in SystemExit)
+WHOLE_RUNS = {
+    "train": (("--max_train_steps", "2"), LAMBDA, False, False),
+    "train, last state": (("--max_train_steps", "2", "--save_state"), LAMBDA, False, False),  # off after the last save
+    "explicit hook": (("--max_train_steps", "2"), LAMBDA, True, False),
+    "map, then train": (("--max_train_steps", "3"), {**MAP, "after_map": "train"}, False, False),  # the map's wrap off mid-run
+    "map, then stop": (("--max_train_steps", "3", "--save_state"), MAP, False, True),  # no last save comes
+    "run ends before its map": (("--max_train_steps", "9", "--max_train_epochs", "1", "--dataset_size", "1"), MAP, False, False),
+}
+
+
+def _plugins(value) -> bool:
+    """Whether ``value`` is the plugin's: a wrapper it defined, a bound hook of its run, the run itself."""
+    return (getattr(value, "__module__", None) or type(value).__module__).startswith("downscale_plugin.")
+
+
+def _plugin_state(trainer, network, accelerator) -> dict[str, list[str]]:
+    """The plugin's instance attributes on each object, and its accelerate state hooks."""
+    state = {
+        name: sorted(k for k, v in vars(obj).items() if _plugins(v))
+        for name, obj in zip(("trainer", "network", "accelerator"), (trainer, network, accelerator), strict=True)
+    }
+    hooks = [*accelerator._save_model_state_pre_hook.values(), *accelerator._load_model_state_pre_hook.values()]
+    state["state hooks"] = [h.__qualname__ for h in hooks if _plugins(h)]
+    return state
+
+
+@pytest.mark.parametrize(("argv", "config", "explicit", "stops"), WHOLE_RUNS.values(), ids=WHOLE_RUNS.keys())
+def test_a_whole_run_leaves_trainer_network_and_accelerator_as_it_found_them(argv, config, explicit, stops, tmp_path, monkeypatch):
+    """Every patch of the run (step hook or explicit call points, loss, save, end, state hooks, the map's
+    process_batch) is in the run's record and off at its end; ``network.downscale_run`` stays for inspection."""
+    seen = []
+    start = sd_scripts_start.start
+
+    def spy(network, *rest):  # the plugin's state just before the run installs itself, and just after
+        ctx = find_trainer()
+        objects = (ctx.trainer, network, ctx.accelerator)
+        seen.extend([objects, _plugin_state(*objects)])
+        run = start(network, *rest)
+        seen.append(_plugin_state(*objects))
+        return run
+
+    monkeypatch.setattr(sd_scripts_start, "start", spy)
+    argv = (*RES, *argv, "--output_dir", str(tmp_path / "out"))
+    config = {**config, "map_out": str(tmp_path / "map")} if "mode" in config else config
+    trainer = (explicit_hook_class if explicit else trainer_class)("flux")()
+    with pytest.raises(SystemExit) if stops else contextlib.nullcontext():
+        run_double("flux", *argv, downscale=config, trainer=trainer)
+    objects, before, installed = seen
+    assert before == {"trainer": [], "network": ["prepare_network"], "accelerator": [], "state hooks": []}
+    assert installed["trainer"] and installed["accelerator"] == ["end_training"] and len(installed["state hooks"]) == 2
+    assert _plugin_state(*objects) == {**before, "network": ["downscale_run", "prepare_network"]}
 
 
 # -- resume: spans, the lead and spread coins keyed to the absolute forward index; counts across states -------------

@@ -34,7 +34,7 @@ def split_network_args(kwargs: Mapping[str, Any]) -> tuple[dict[str, str], dict[
     plugin: dict[str, str] = {}
     inner: dict[str, Any] = {}
     for key, value in kwargs.items():
-        name = key.strip()  # sd-scripts splits "key=value" without stripping (tn:665-668)
+        name = key.strip()  # sd-scripts splits "key=value" without stripping (train_network.py)
         if name.startswith(NETWORK_ARGS_PREFIX):
             plugin[name[len(NETWORK_ARGS_PREFIX) :]] = value
         elif name in UNPREFIXED_NETWORK_ARGS:
@@ -144,7 +144,7 @@ class _QuietParser(argparse.ArgumentParser):
 
 
 def _command_parser() -> argparse.ArgumentParser:
-    """The trainer parser's options that the plugin reads (tn:1782-1808, tu:4700-4763), same spellings and
+    """The trainer parser's options that the plugin reads (train_network.py, library/train_util.py), same spellings and
     nargs; every other argument is left alone (``parse_known_args``)."""
     parser = _QuietParser(add_help=False, exit_on_error=False)
     parser.add_argument("--config_file", type=str, default=None)

@@ -26,6 +26,7 @@ from ...lab.data import FACTOR, LabData
 from ...lab.model import LabModelConfig, flop_shape
 from ...plan import Plan, plan_table
 from ...router import RouteDecision, Router
+from ...scope import Patches
 from ...sigma import SigmaSampler
 from ..sd_scripts.families import FlowFamily
 from ..sd_scripts.hook import DownscaleHook, StepOptions
@@ -101,11 +102,12 @@ class LabPlugin:
         hook = DownscaleHook(
             router, FlowFamily(flux_train_utils, "flux"), options=options, on_step=self._on_step, step_logs=self._step_logs
         )
-        hook.install(trainer)
+        patches = Patches()  # the run's record, as sd-scripts' DownscaleRun keeps one
+        hook.install(trainer, patches)
         try:
             yield
         finally:
-            hook.uninstall(trainer)
+            patches.undo()
 
     def _on_step(
         self, step: int, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int], run_sigmas: torch.Tensor

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 
@@ -23,8 +24,18 @@ def sd_scripts_buckets(
     return sorted(resos)
 
 
-def dataset_buckets(group: Any, vae_factor: int) -> tuple[list[tuple[int, int]], list[float], int]:
-    """Latent (h, w) of every non-empty bucket, its share of steps, and the most common batch size."""
+@dataclass(frozen=True)
+class DatasetBuckets:
+    """A run's own buckets, as its dataset built them: what the start banner's plan and the map's
+    checks (``map.py``) read."""
+
+    latent_buckets: list[tuple[int, int]]  # latent (h, w) of every non-empty bucket
+    weights: list[float]  # each bucket's share of the steps
+    batch_size: int  # the most common batch size
+
+
+def dataset_buckets(group: Any, vae_factor: int) -> DatasetBuckets:
+    """The non-empty buckets of the trainer's dataset group at the latent grid, weighted by their steps."""
     steps: dict[tuple[int, int], float] = {}
     images_by_batch: dict[int, int] = {}
     for dataset in getattr(group, "datasets", None) or []:
@@ -36,4 +47,4 @@ def dataset_buckets(group: Any, vae_factor: int) -> tuple[list[tuple[int, int]],
                 steps[hw] = steps.get(hw, 0.0) + math.ceil(len(bucket) / batch)
                 images_by_batch[batch] = images_by_batch.get(batch, 0) + len(bucket)
     batch_size = max(images_by_batch, key=images_by_batch.get) if images_by_batch else 1
-    return list(steps), list(steps.values()), batch_size
+    return DatasetBuckets(list(steps), list(steps.values()), batch_size)

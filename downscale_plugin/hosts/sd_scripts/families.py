@@ -1,7 +1,7 @@
 """Host σ-sampler families: draw σ with the host's own sampler, replay a drawn σ through its slot.
 
 Every sd-scripts LoRA trainer reaches its σ sampler through a module attribute at call time, so a
-scoped replacement of that attribute is seen by exactly the call it wraps (host-sd-scripts.md §2.9):
+scoped replacement of that attribute is seen by exactly the call it wraps (docs/ARCHITECTURE.md §3):
 
 - ``flux``: ``library.flux_train_utils.get_noisy_model_input_and_timesteps`` (FLUX.1, Chroma,
   Anima, HunyuanImage; the lab trainer's module follows the same contract)

@@ -1,4 +1,4 @@
-"""The drop-in hook: wraps a trainer instance's ``get_noise_pred_and_target`` (DESIGN §1).
+"""The drop-in hook: wraps a trainer instance's ``get_noise_pred_and_target`` (docs/ARCHITECTURE.md §2).
 
 Per train step: the host's own sampler draws σ on the native grid under a forked RNG; the router
 picks the step's route; a native step whose σ needed no conditioning calls the host unchanged
@@ -19,7 +19,8 @@ FasterDiT options (:class:`StepOptions`, ``fasterdit``), each off by default and
 - ``positions = "interpolate"``: the routed forward runs inside ``positions_scope``.
 
 The wrap is an instance attribute: it shadows the class method for exactly that trainer, whatever
-module the class lives in (``python train_network.py`` puts it in ``__main__``).
+module the class lives in (``python train_network.py`` puts it in ``__main__``), and goes into the
+run's record of patches (``scope.Patches``), which takes it off at the run's end.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -40,6 +41,7 @@ from ...fasterdit.policies import RunningStd, make_policy
 from ...fasterdit.positions import positions_scope, require_interpolate
 from ...grid import area_downsample, tokens
 from ...router import RouteDecision, Router
+from ...scope import Patches
 from .families import BoundSampler, DDPMFamily, FlowFamily
 
 logger = logging.getLogger(__name__)
@@ -87,6 +89,23 @@ class StepOptions:
         return cls(cfg.direction_loss_weight, cfg.direction_loss_only_routed, cfg.sigma_policy, cfg.positions, **handles)
 
 
+class HostCall(NamedTuple):
+    """The positional arguments of one host ``get_noise_pred_and_target`` call, by name (the host's
+    signature: ``NetworkTrainer.get_noise_pred_and_target`` in tests/doubles/train_network.py). A routed
+    step calls the host with the same arguments but the latents: ``call._replace(latents=small)``."""
+
+    args: Any
+    accelerator: Any
+    noise_scheduler: Any
+    latents: torch.Tensor
+    batch: Any
+    text_encoder_conds: Any
+    unet: Any
+    network: Any
+    weight_dtype: Any
+    train_unet: bool
+
+
 class DownscaleHook:
     """Routes a trainer's train steps; ``on_step`` observers see every decision.
 
@@ -115,23 +134,21 @@ class DownscaleHook:
         self.step_logs = step_logs
         self.step = 0
         self.last: RouteDecision | None = None
-        self._installed: dict[str, Any] = {}
 
-    def install(self, trainer: Any) -> None:
-        if self._installed:
-            raise RuntimeError("downscale hook is already installed on a trainer")
+    def install(self, trainer: Any, patches: Patches) -> None:
+        """Wrap the trainer instance's step and step-log methods (and its loss, for the direction loss),
+        recorded in the run's ``patches`` so the run's end takes them off again."""
         for name in WRAPPED_METHODS:
             if not callable(getattr(trainer, name, None)):
                 raise AttributeError(f"trainer {type(trainer).__name__} has no method {name!r}: unsupported host revision")
-        self._installed = {name: trainer.__dict__.get(name) for name in WRAPPED_METHODS}
-        self.install_loss(trainer)
+        self.install_loss(trainer, patches)
         original_step = trainer.get_noise_pred_and_target
         original_logs = trainer.generate_step_logs
 
         def get_noise_pred_and_target(
             args, accelerator, noise_scheduler, latents, batch, text_encoder_conds, unet, network, weight_dtype, train_unet, is_train=True
         ):
-            call = (args, accelerator, noise_scheduler, latents, batch, text_encoder_conds, unet, network, weight_dtype, train_unet)
+            call = HostCall(args, accelerator, noise_scheduler, latents, batch, text_encoder_conds, unet, network, weight_dtype, train_unet)
             return self.dispatch(original_step, *call, is_train=is_train)
 
         def generate_step_logs(*args, **kwargs):
@@ -140,10 +157,10 @@ class DownscaleHook:
                 self.step_logs(logs, args[1] if len(args) > 1 else kwargs.get("current_loss"))
             return logs
 
-        trainer.get_noise_pred_and_target = get_noise_pred_and_target
-        trainer.generate_step_logs = generate_step_logs
+        patches.set(trainer, "get_noise_pred_and_target", get_noise_pred_and_target)
+        patches.set(trainer, "generate_step_logs", generate_step_logs)
 
-    def install_loss(self, trainer: Any) -> None:
+    def install_loss(self, trainer: Any, patches: Patches) -> None:
         """Wrap ``process_batch`` for the direction loss (λ > 0 only; a patched host's call points cover the rest)."""
         weight = self.options.direction_loss_weight
         if not weight:
@@ -163,41 +180,34 @@ class DownscaleHook:
             with direction_loss_scope(module, weight, gate=gate):
                 return original(*args, **kwargs)
 
-        self._installed.setdefault(LOSS_METHOD, trainer.__dict__.get(LOSS_METHOD))
-        setattr(trainer, LOSS_METHOD, process_batch)
+        patches.set(trainer, LOSS_METHOD, process_batch)
 
     def _routed(self) -> bool:
         """Whether the current train step was routed (read by the gated direction loss)."""
         return self.last is not None and self.last.routed
 
-    def uninstall(self, trainer: Any) -> None:
-        for name, previous in self._installed.items():
-            if previous is None:
-                trainer.__dict__.pop(name, None)
-            else:
-                setattr(trainer, name, previous)
-        self._installed = {}
-
     def dispatch(self, original: Callable, *call: Any, is_train: bool = True) -> Any:
         """One host ``get_noise_pred_and_target`` call: routed when training, untouched otherwise."""
-        return self.train_step(original, call) if is_train else original(*call, is_train=False)
+        return self.train_step(original, HostCall(*call)) if is_train else original(*call, is_train=False)
 
-    def train_step(self, original: Callable, call: tuple) -> Any:
-        args, accelerator, noise_scheduler, latents = call[:4]
+    def train_step(self, original: Callable, call: HostCall) -> Any:
+        latents = call.latents
         self.step += 1
         native_hw = tuple(latents.shape[-2:])
-        sampler = self.family.bind(args, noise_scheduler, latents, accelerator.device, call[8])
-        decision = self.router.route(sampler.draw, latents.shape[0], native_hw, self.step, self.rank, self.world_size, first=sampler.first)
+        sampler = self.family.bind(call.args, call.noise_scheduler, latents, call.accelerator.device, call.weight_dtype)
+        decision = self.router.route(
+            sampler.draw, latents.shape[0], native_hw, self.step, self.rank, self.world_size, first=sampler.first, law=sampler.law
+        )
         self.last = decision
         run_hw = decision.target_hw if decision.routed else native_hw
         if not decision.needs_replay:
             self._observe(decision, native_hw, run_hw, decision.sigmas)
             return original(*call, is_train=True)
         small = area_downsample(latents, run_hw) if decision.routed else latents
-        sigmas = self.run_sigmas(decision, sampler, noise_scheduler, latents, small)
+        sigmas, positions = self.run_sigmas(decision, sampler, call.noise_scheduler, latents, small)
         self._observe(decision, native_hw, run_hw, sigmas)
-        with sampler.replay(sigmas), self._positions(decision, accelerator, call[6], native_hw, run_hw):
-            return original(args, accelerator, noise_scheduler, small, *call[4:], is_train=True)
+        with sampler.replay(positions), self._positions(decision, call.accelerator, call.unet, native_hw, run_hw):
+            return original(*call._replace(latents=small), is_train=True)
 
     def _observe(self, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int], sigmas: torch.Tensor) -> None:
         if self.on_step is not None:
@@ -205,16 +215,20 @@ class DownscaleHook:
 
     def run_sigmas(
         self, decision: RouteDecision, sampler: BoundSampler, noise_scheduler: Any, native: torch.Tensor, small: torch.Tensor
-    ) -> torch.Tensor:
-        """The σ a step runs at: on a routed step the policy's map of the drawn σ, registered for the replay."""
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The σ a step runs at and their pool positions for the replay: the decision's own samples
+        (by position, router.py ``sources``), or on a routed step the policy's map of them, registered."""
         name = self.options.sigma_policy
         if name == "keep" or not decision.routed:
-            return decision.sigmas
+            return decision.sigmas, decision.source_index
         stds = self.stds.update(native, small) if self.stds is not None else (None, None)
         arch = self.router.arch
         policy = make_policy(name, tokens(tuple(native.shape[-2:]), arch), tokens(tuple(small.shape[-2:]), arch), *stds)
         mapped = policy(decision.sigmas)
-        return decision.sigmas if mapped is decision.sigmas else self.family.remember(sampler, noise_scheduler, mapped)
+        if mapped is decision.sigmas:
+            return decision.sigmas, decision.source_index
+        positions = self.family.remember(sampler, noise_scheduler, mapped)
+        return sampler.pool.pairs(positions)[1], positions  # the σ the host replays (SD1/SDXL: the nearest timestep's)
 
     def _positions(
         self, decision: RouteDecision, accelerator: Any, unet: Any, native_hw: tuple[int, int], run_hw: tuple[int, int]

@@ -49,9 +49,11 @@ from ...grid import area_downsample, target_grid
 from ...mapping.arms import build_arms
 from ...plan import format_plan
 from ...rng import accelerator_devices, forked
+from ...scope import Patches
+from .buckets import DatasetBuckets
 from .facts import VAE_ARCHS, HostError, TrainerArch
 from .families import DDPMFamily, FlowFamily
-from .hook import DownscaleHook
+from .hook import DownscaleHook, HostCall
 from .map_backend import HostVae, SdScriptsBackend, split_batch
 from .run import DownscaleRun
 from .trainer import TrainerContext
@@ -75,25 +77,25 @@ class MapHook(DownscaleHook):
         finally:
             self.forced = None
 
-    def train_step(self, original: Any, call: tuple) -> Any:
+    def train_step(self, original: Any, call: HostCall) -> Any:
         if self.forced is None:
             return super().train_step(original, call)
         target_hw, sigma = self.forced
-        args, accelerator, noise_scheduler, latents = call[:4]
-        sampler = self.family.bind(args, noise_scheduler, latents, accelerator.device, call[8])
-        with forked(accelerator_devices(accelerator.device)):
+        device = call.accelerator.device
+        sampler = self.family.bind(call.args, call.noise_scheduler, call.latents, device, call.weight_dtype)
+        with forked(accelerator_devices(device)):
             sampler.first()  # records the host's output dtypes for the replay
-        keys = self.family.remember(sampler, noise_scheduler, torch.tensor([sigma], dtype=torch.float64))
-        small = latents if target_hw is None else area_downsample(latents, target_hw)
+        keys = self.family.remember(sampler, call.noise_scheduler, torch.tensor([sigma], dtype=torch.float64))
+        small = call.latents if target_hw is None else area_downsample(call.latents, target_hw)
         with sampler.replay(keys):
-            return original(args, accelerator, noise_scheduler, small, *call[4:], is_train=True)
+            return original(*call._replace(latents=small), is_train=True)
 
 
 class MapSession:
     """One map run's state; see the module docstring. ``buckets`` is ``dataset_buckets``' answer."""
 
     def __init__(
-        self, run: DownscaleRun, ctx: TrainerContext, family: FlowFamily | DDPMFamily, buckets: tuple[list, list, int], record: TrainerArch
+        self, run: DownscaleRun, ctx: TrainerContext, family: FlowFamily | DDPMFamily, buckets: DatasetBuckets, record: TrainerArch
     ):
         missing = [name for name in MAP_PACKAGES if importlib.util.find_spec(name) is None]
         if missing:
@@ -109,7 +111,7 @@ class MapSession:
         )
         self.out_dir = os.path.abspath(cfg.map_out)
         self.devices = accelerator_devices(ctx.accelerator.device)
-        self.batches_needed = math.ceil(cfg.map_images / max(buckets[2], 1))
+        self.batches_needed = math.ceil(cfg.map_images / max(buckets.batch_size, 1))
         problems = self.problems()
         if problems:
             raise HostError('mode = "map":\n  - ' + "\n  - ".join(problems))
@@ -117,7 +119,7 @@ class MapSession:
         self.batches = 0
         self.measured = False
         self.hook: MapHook | None = None
-        self._previous: Any = None
+        self.patches = Patches()  # the process_batch wrap: undone once the map has run, else at the run's end
 
     def problems(self) -> list[str]:
         """What makes this map impossible in this run, found before any compute."""
@@ -138,7 +140,7 @@ class MapSession:
         except MapInputError as err:
             problems += err.problems
         spec = get_arch(run.arch)
-        for h, w in self.buckets[0]:
+        for h, w in self.buckets.latent_buckets:
             bad = [r for r in cfg.map_ratios if target_grid((h, w), r, spec) is None]
             if bad:
                 problems.append(
@@ -148,7 +150,7 @@ class MapSession:
         forwards = int(args.max_train_steps) * int(getattr(args, "gradient_accumulation_steps", 1) or 1)
         if forwards < self.batches_needed:
             problems.append(
-                f"map_images: {cfg.map_images} probes need {self.batches_needed} train batches of {self.buckets[2]}, "
+                f"map_images: {cfg.map_images} probes need {self.batches_needed} train batches of {self.buckets.batch_size}, "
                 f"but the run has {forwards}; lower map_images or raise --max_train_steps"
             )
         return problems
@@ -172,7 +174,8 @@ class MapSession:
 
     def install(self) -> None:
         """Wrap the trainer's ``process_batch`` (around any wrapper already installed) until the map has
-        run, and ``accelerator.end_training`` to say so when a run ends before its map."""
+        run, and ``accelerator.end_training`` to say so when a run ends before its map. Both go into the
+        run's record, the first through the session's own, which the map undoes when it is done."""
         accelerator = self.run.accelerator
         end = accelerator.end_training
 
@@ -185,9 +188,8 @@ class MapSession:
                 )
             return end(*args, **kwargs)
 
-        accelerator.end_training = end_training
+        self.run.patches.set(accelerator, "end_training", end_training)
         trainer = self.ctx.trainer
-        self._previous = trainer.__dict__.get("process_batch")
         current = trainer.process_batch
         signature = inspect.signature(type(trainer).process_batch)
 
@@ -198,14 +200,8 @@ class MapSession:
                 self.offer(call.arguments)
             return current(*args, **kwargs)
 
-        trainer.process_batch = process_batch
-
-    def uninstall(self) -> None:
-        trainer = self.ctx.trainer
-        if self._previous is None:
-            trainer.__dict__.pop("process_batch", None)
-        else:
-            trainer.process_batch = self._previous
+        self.patches.set(trainer, "process_batch", process_batch)
+        self.run.patches.on_undo(self.patches.undo)  # a run that ends before its map
 
     def offer(self, arguments: dict[str, Any]) -> None:
         """A train batch: take its samples as probes; with enough, run the map and what follows it."""
@@ -213,7 +209,7 @@ class MapSession:
         self.probes += split_batch(arguments["batch"])
         if len(self.probes) < self.settings.images:
             return
-        self.uninstall()
+        self.patches.undo()
         self.measured = True
         result, paths = self.measure(arguments)
         if self.run.cfg.after_map == "stop":
@@ -223,6 +219,7 @@ class MapSession:
                 self.batches,
             )
             self.run.accelerator.end_training()
+            self.run.close()  # no last state or weights follow: the script ends here
             raise SystemExit(0)
         self.train_with(result, paths["toml"])
 

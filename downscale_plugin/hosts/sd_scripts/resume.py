@@ -1,23 +1,23 @@
-"""Where a started or resumed sd-scripts run stands in the adapter's forward count (tn:1232-1418).
+"""Where a started or resumed sd-scripts run stands in the adapter's forward count (train_network.py).
 
 The router keys early/late spans, the coupled gate's lead draw and ``spread`` coins to the
 **absolute forward index**: the 1-based count of train forwards the adapter has had, over every run
 that trained it. This run's forward n (1-based) is absolute forward ``s × A + n``, where A is
 ``--gradient_accumulation_steps`` and s the host's own *initial step* (optimizer steps), which the
-host takes, in this order (tn:1232-1250):
+host takes, in this order (train_network.py):
 
 1. ``--initial_step`` (even with ``--resume``: the host then ignores the state's step);
 2. ``--initial_epoch`` e: ``(e − 1) × ⌈L / P / A⌉`` (L: batches per epoch of this process's
    dataloader, P: processes);
 3. the ``current_step`` of ``train_state.json`` in the ``--resume`` state (the optimizer steps
-   done when the state was saved; tn:944-948), read by the run's accelerate load hook;
+   done when the state was saved; train_network.py), read by the run's accelerate load hook;
 4. else 0.
 
 What the host then does with s > 0 (U = ⌈L / A⌉ update steps per epoch):
 
 - ``--skip_until_initial_step``: S = s × A; it starts at epoch E = S // U, skips S − E·L batches of
-  it when that is positive and sets ``global_step = S − E·L`` (tn:1259-1269, 1340-1344,
-  1411-1418). With A = 1 that is exactly the uninterrupted run's data from forward S + 1 on; with
+  it when that is positive and sets ``global_step = S − E·L`` (train_network.py).
+  With A = 1 that is exactly the uninterrupted run's data from forward S + 1 on; with
   A > 1 it is only while S < U (E = 0): E counts update steps against batches, so once S ≥ U the
   host skips E·L > S batches (whole epochs the adapter never trained on), and ``global_step`` (in
   forwards, not updates) ends the run early. The index stays s × A + n: the adapter's own count,
@@ -25,7 +25,7 @@ What the host then does with s > 0 (U = ⌈L / A⌉ update steps per epoch):
   uninterrupted run's data.
 - no skip (``--resume`` alone, or ``--initial_step``/``--initial_epoch`` without the flag): the host
   starts at epoch s // U from its first batch with ``global_step = 0`` and trains until
-  ``global_step`` reaches ``max_train_steps`` or the epochs run out (tn:1270-1273, 1275); its step
+  ``global_step`` reaches ``max_train_steps`` or the epochs run out (train_network.py); its step
   count restarts, the restored optimizer, scheduler and weights do not. The adapter has had s × A
   forwards (with ``--resume`` alone: those the saved state trained), so this run's forwards are
   s × A + 1, s × A + 2, …: no index repeats an earlier run's, spans read training progress.
@@ -44,7 +44,7 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-HOST_STATE_FILE = "train_state.json"  # written into the state dir by the host's save hook (tn:944-948)
+HOST_STATE_FILE = "train_state.json"  # written into the state dir by the host's save hook (train_network.py)
 
 
 def _int(value: Any) -> int | None:
@@ -65,7 +65,7 @@ def read_host_state(state_dir: str) -> dict | None:
 
 
 def host_initial_step(args: Any, steps_from_state: int | None, batches: int | None, processes: int) -> tuple[int, str]:
-    """The host's initial step s and where it came from (tn:1232-1250)."""
+    """The host's initial step s and where it came from (train_network.py)."""
     accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     initial_step, initial_epoch = _int(getattr(args, "initial_step", None)), _int(getattr(args, "initial_epoch", None))
     if initial_step is not None:
@@ -81,7 +81,7 @@ def host_initial_step(args: Any, steps_from_state: int | None, batches: int | No
 
 @dataclass(frozen=True)
 class HostStart:
-    """Where the host's loop starts (tn:1252-1418) and the absolute index of this run's forward 0."""
+    """Where the host's loop starts (train_network.py) and the absolute index of this run's forward 0."""
 
     initial_step: int  # s, in optimizer steps
     source: str

@@ -13,6 +13,7 @@ import logging
 import os
 import sys
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -22,9 +23,8 @@ from ...accounting import Accounting, StepRecord
 from ...config import DownscaleConfig, RouteRule
 from ...plan import Plan
 from ...router import RouteDecision, Router
+from ...scope import Patches
 from .resume import read_host_state
-
-Routing = Callable[[DownscaleConfig], tuple[Router, "Plan | None", Accounting]]
 
 logger = logging.getLogger(__name__)
 
@@ -87,13 +87,27 @@ def carry_native(old: Accounting, new: Accounting) -> None:
     new.merge(state)
 
 
+@dataclass(frozen=True)
+class Routing:
+    """What a run routes by for one config: the router, the banner's plan (None off the main process
+    and in a map run before its map), and the accounting that counts against that plan."""
+
+    router: Router
+    plan: Plan | None
+    accounting: Accounting
+
+
 class DownscaleRun:
-    """One training run's plugin state: accounting, cross-rank totals, metadata, summary.
+    """One training run's plugin state: accounting, cross-rank totals, metadata, summary, and the
+    record of every long-lived patch the run puts on the trainer, network and accelerator
+    (``patches``, undone by :meth:`close`: docs/ARCHITECTURE.md §3).
 
     Exposed as ``network.downscale_run`` for inspection.
     """
 
-    def __init__(self, cfg: DownscaleConfig, arch: str, inner: str, seed: int, accelerator: Any, routing: Routing):
+    def __init__(
+        self, cfg: DownscaleConfig, arch: str, inner: str, seed: int, accelerator: Any, routing: Callable[[DownscaleConfig], Routing]
+    ):
         self.cfg = cfg
         self.arch = arch
         self.inner = inner
@@ -102,27 +116,29 @@ class DownscaleRun:
         self.rank = int(accelerator.process_index)
         self.world_size = int(accelerator.num_processes)
         self._routing = routing
-        self.router, self.plan, self.accounting = routing(cfg)
+        chosen = routing(cfg)
+        self.router, self.plan, self.accounting = chosen.router, chosen.plan, chosen.accounting
         self.totals = self.accounting  # summed over ranks; the same object on one process
         self.hook: Any = None  # the step hook reading ``router`` (set by start)
         self.finished = False
         self.extra_metadata: dict[str, str] = {}  # e.g. ss_downscale_map after an in-run map
         self.host_state: dict | None = None  # the host's train_state.json of the state it resumed from
-        self._handles: list[Any] = []  # accelerate state hooks, removed by close()
+        self.patches = Patches()  # undone by close(), at the run's end
         self._pending: dict | None = None  # restored counts for other routes (a map run: merged once they match)
 
     def retarget(self, routes: Sequence[RouteRule]) -> Plan | None:
         """Route by ``routes`` from now on (after an in-run map): router, plan and accounting follow, the
         counts so far carried over as native steps. Returns the new plan (None without routes)."""
         cfg = self.cfg.with_routes(routes)
-        router, plan, accounting = self._routing(cfg)
-        carry_native(self.accounting, accounting)
-        self.cfg, self.router, self.plan, self.accounting, self.totals = cfg, router, plan, accounting, accounting
+        chosen = self._routing(cfg)
+        carry_native(self.accounting, chosen.accounting)
+        self.cfg, self.router, self.plan = cfg, chosen.router, chosen.plan
+        self.accounting = self.totals = chosen.accounting
         if self.hook is not None:
-            self.hook.router = router
+            self.hook.router = chosen.router
         if self._pending is not None:
             self._restore(self._pending, "")
-        return plan
+        return chosen.plan
 
     # -- counts across --save_state / --resume ----------------------------------------------------
 
@@ -130,15 +146,15 @@ class DownscaleRun:
         """Save the counts with every ``accelerator.save_state`` and restore them at ``load_state`` (the
         host's ``--save_state`` / ``--resume``), through accelerate's state pre-hooks; :meth:`close` removes them."""
         acc = self.accelerator
-        if self._handles or not callable(getattr(acc, "register_save_state_pre_hook", None)):
+        if not callable(getattr(acc, "register_save_state_pre_hook", None)):
             return
-        self._handles = [acc.register_save_state_pre_hook(self._save_state), acc.register_load_state_pre_hook(self._load_state)]
+        for register, hook in ((acc.register_save_state_pre_hook, self._save_state), (acc.register_load_state_pre_hook, self._load_state)):
+            self.patches.on_undo(register(hook).remove)
 
     def close(self) -> None:
-        """Take the state hooks off the accelerator (at the run's end)."""
-        for handle in self._handles:
-            handle.remove()
-        self._handles = []
+        """Undo every patch of the run, in reverse, at its end (``start.py`` ``_wrap_save_and_end`` says
+        when: after the host's last save on the main process); idempotent."""
+        self.patches.undo()
 
     def _counts_layout(self) -> list[dict[str, Any]]:
         return [_rule_dict(r) for r in self.cfg.routes]

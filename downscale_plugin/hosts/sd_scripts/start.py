@@ -1,6 +1,6 @@
-"""One sd-scripts training run with the plugin: what ``prepare_network(args)`` installs (DESIGN §2, §4).
+"""One sd-scripts training run with the plugin: what ``prepare_network(args)`` installs (docs/ARCHITECTURE.md §3, §5).
 
-``start`` is called by ``NetworkTrainer.train`` (tn:696-697) with the final merged args, before the
+``start`` is called by ``NetworkTrainer.train`` (train_network.py) with the final merged args, before the
 optimizer, ``accelerator.prepare``, resume and the loop. It validates the config, detects the
 architecture, checks the hook points, builds the router and the accounting, and installs:
 
@@ -8,10 +8,14 @@ architecture, checks the hook points, builds the router and the accounting, and 
   patched host (``patches/``);
 - ``ss_downscale_*`` metadata on every ``save_weights`` of the inner network (weights untouched);
 - the start banner (main process) and the end summary at ``accelerator.end_training``, which every
-  rank calls after the loop and before the last save (tn:1711), so the final cross-rank sum there is
+  rank calls after the loop and before the last save (train_network.py), so the final cross-rank sum there is
   a symmetric collective;
 - with ``mode = "map"``, the map session (``sd_scripts_map``): routes come from the map it runs on
   the run's first batches.
+
+Each of these patches, and the accelerate state hooks, goes through the run's one record
+(``DownscaleRun.patches``), undone after the host's last save, so the trainer, the network and the
+accelerator leave the run as they came (``network.downscale_run`` stays, for inspection).
 
 Under multi-GPU the counts are summed over ranks with ``accelerator.reduce`` every train step (every
 rank runs the hook on every step; the host's step logs run on the main process only, where a
@@ -32,13 +36,14 @@ from ...config import DownscaleConfig
 from ...plan import Plan, format_plan, plan_table
 from ...rng import accelerator_devices, forked, seed_forked
 from ...router import RouteDecision, Router
+from ...scope import Patches
 from ..kohya import plugin_config
-from .buckets import dataset_buckets
+from .buckets import DatasetBuckets, dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
 from .families import GRID_DEPENDENT_MODES, DDPMFamily, FlowFamily
 from .hook import DownscaleHook
 from .resume import HostResume, banner_line
-from .run import FASTERDIT_KEYS, DownscaleRun, show, version
+from .run import FASTERDIT_KEYS, DownscaleRun, Routing, show, version
 from .trainer import TrainerContext, detect_arch, find_trainer, make_family, step_options
 
 logger = logging.getLogger(__name__)
@@ -54,7 +59,7 @@ _MC_CHUNK = 256  # grid-dependent samplers allocate a latent-sized tensor per σ
 def host_warnings(args: Any, arch: str, cfg: DownscaleConfig, world_size: int) -> list[str]:
     """Host options the plugin honours but that change what a routed step costs or means."""
     notes = []
-    if getattr(args, "torch_compile", False):  # --dynamo_backend only applies with it (tu:5466-5469)
+    if getattr(args, "torch_compile", False):  # --dynamo_backend only applies with it (library/train_util.py)
         notes.append(
             "torch compile: every routed grid is a new input shape and recompiles the denoiser; "
             "expect compile stalls early on and raise torch._dynamo.config.cache_size_limit if it falls back to eager"
@@ -98,7 +103,7 @@ class HostRouter(Router):
     """Reads T and the resume offset from the host at the first train step.
 
     The trainer recomputes ``max_train_steps`` from ``--max_train_epochs`` after ``prepare_network``
-    (tn:799-805) and resumes (``accelerator.load_state``, tn:975) after it too. The offset is the
+    (train_network.py) and resumes (``accelerator.load_state``, train_network.py) after it too. The offset is the
     absolute forward index of this run's forward 0, from what the host restored (``resume.py``).
     """
 
@@ -115,25 +120,22 @@ class HostRouter(Router):
 
 
 def _shared_seed(seed: int, accelerator: Any) -> int:
-    """Rank 0's seed on every rank: unseeded sd-scripts runs draw ``args.seed`` per process (tn:502-503)."""
+    """Rank 0's seed on every rank: unseeded sd-scripts runs draw ``args.seed`` per process (train_network.py)."""
     if int(accelerator.num_processes) <= 1:
         return seed
     mine = torch.tensor([seed if int(accelerator.process_index) == 0 else 0], dtype=torch.int64, device=accelerator.device)
     return int(accelerator.reduce(mine, reduction="sum").item())
 
 
-def _predict(
-    ctx: TrainerContext, family: Any, cfg: DownscaleConfig, arch: str, buckets, weights, batch_size: int, world: int
-) -> Plan | None:
+def _predict(ctx: TrainerContext, family: Any, cfg: DownscaleConfig, arch: str, buckets: DatasetBuckets, world: int) -> Plan | None:
     """The plan for this run's buckets under the host's own sampler (banner, predicted fractions)."""
-    if not buckets:
+    if not buckets.latent_buckets:
         return None
     scheduler = ctx.trainer.get_noise_scheduler(ctx.args, torch.device("cpu"))
     sampler = HostSampler(family, ctx.args, scheduler, ctx.weight_dtype or torch.float32)
     total = int(ctx.args.max_train_steps) * int(getattr(ctx.args, "gradient_accumulation_steps", 1) or 1)
-    return plan_table(
-        cfg, arch, sampler, buckets, batch_size, weights, total_forwards=total, mc_samples=PLAN_MC_SAMPLES, seed=0, world_size=world
-    )
+    hw, weights, batch = buckets.latent_buckets, buckets.weights, buckets.batch_size
+    return plan_table(cfg, arch, sampler, hw, batch, weights, total_forwards=total, mc_samples=PLAN_MC_SAMPLES, seed=0, world_size=world)
 
 
 def _sampler_text(record: TrainerArch, args: Any) -> str:
@@ -150,9 +152,9 @@ def routing(
     cfg: DownscaleConfig,
     arch: str,
     seed: int,
-    buckets: tuple[list, list, int],
+    buckets: DatasetBuckets,
     resume: HostResume | None = None,
-) -> tuple[HostRouter, Plan | None, Accounting]:
+) -> Routing:
     """The router, the banner's plan (main process) and the accounting for ``cfg``'s routes.
 
     ``buckets`` is :func:`dataset_buckets`' answer. A map run has no routes until its map has run,
@@ -160,7 +162,6 @@ def routing(
     gives the absolute forward index of the run's forward 0 at the first train step.
     """
     args, accelerator = ctx.args, ctx.accelerator
-    latent_buckets, weights, batch_size = buckets
     accumulation = int(getattr(args, "gradient_accumulation_steps", 1) or 1)
     router = HostRouter.from_config(
         cfg, arch, seed, total_forwards=int(args.max_train_steps) * accumulation, devices=accelerator_devices(accelerator.device)
@@ -168,16 +169,16 @@ def routing(
     router.host = (args, resume or HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: None))
     predict = int(accelerator.process_index) == 0 and (cfg.mode == "train" or bool(cfg.routes))
     world = int(accelerator.num_processes)
-    plan = _predict(ctx, family, cfg, arch, latent_buckets, weights, batch_size, world) if predict else None
+    plan = _predict(ctx, family, cfg, arch, buckets, world) if predict else None
     accounting = Accounting(
         cfg.routes,
         get_arch(arch).flops,
         plan.probs if plan else None,
         predicted_flop_saving=plan.flop_saving if plan else None,
-        token_values=Accounting.vocabulary(latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
+        token_values=Accounting.vocabulary(buckets.latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
         sigma_policy=cfg.sigma_policy,
     )
-    return router, plan, accounting
+    return Routing(router, plan, accounting)
 
 
 def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> DownscaleRun | None:
@@ -216,8 +217,9 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     )
     run.hook = hook
     try:
-        _install_hook(hook, ctx.trainer)
+        _install_hook(hook, ctx.trainer, run.patches)
     except AttributeError as err:
+        run.close()  # what was installed before the missing hook point
         raise HostError(f"missing hook point: {err}; {SUPPORTED}") from err
     if session:
         session.install()
@@ -238,24 +240,25 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     return run
 
 
-def _install_hook(hook: DownscaleHook, trainer: Any) -> None:
-    """Use the patched host's explicit call points when present, else wrap the instance's methods."""
+def _install_hook(hook: DownscaleHook, trainer: Any, patches: Patches) -> None:
+    """Use the patched host's explicit call points when present, else wrap the instance's methods;
+    either way recorded in the run's ``patches``."""
     if not hasattr(type(trainer), EXPLICIT_STEP_HOOK):
-        hook.install(trainer)
+        hook.install(trainer, patches)
         return
-
-    setattr(trainer, EXPLICIT_STEP_HOOK, hook.dispatch)
-    setattr(trainer, EXPLICIT_LOGS_HOOK, hook.step_logs)
-    hook.install_loss(trainer)  # the patch has no call point around the loss
+    patches.set(trainer, EXPLICIT_STEP_HOOK, hook.dispatch)
+    patches.set(trainer, EXPLICIT_LOGS_HOOK, hook.step_logs)
+    hook.install_loss(trainer, patches)  # the patch has no call point around the loss
 
 
 def _wrap_save_and_end(network: Any, accelerator: Any, run: DownscaleRun, args: Any) -> None:
     """Instance wraps: ``ss_downscale_*`` keys on every save (the weights are the inner's, untouched);
     the end summary at ``accelerator.end_training`` (every rank calls it, so the last reduce is symmetric).
 
-    The run's accelerate state hooks come off at ``end_training``, or, where the main process saves a
-    last state after it (``--save_state`` / ``--save_state_on_train_end``, tn:1722-1723), after the last
-    weights that follow it (tn:1725-1727); the host's state and weight saves are main-process only."""
+    The run's patches (these two wraps, the accelerate state hooks, the step hook's, the map's) come off
+    on the main process after the last weights, which follow ``end_training`` there (train_network.py; after
+    the last state with ``--save_state`` / ``--save_state_on_train_end``, train_network.py), and need this
+    ``save_weights`` wrap; on the other ranks at ``end_training``: the host's saves are main-process only."""
     save = network.save_weights
     end = accelerator.end_training
 
@@ -270,9 +273,9 @@ def _wrap_save_and_end(network: Any, accelerator: Any, run: DownscaleRun, args: 
 
     def end_training(*a, **kw):
         run.finish()
-        if run.rank != 0 or not (getattr(args, "save_state", False) or getattr(args, "save_state_on_train_end", False)):
-            run.close()  # no last state follows here
+        if run.rank != 0:
+            run.close()  # no save follows on this rank
         return end(*a, **kw)
 
-    network.save_weights = save_weights
-    accelerator.end_training = end_training
+    run.patches.set(network, "save_weights", save_weights)
+    run.patches.set(accelerator, "end_training", end_training)

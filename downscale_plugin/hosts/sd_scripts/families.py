@@ -30,7 +30,7 @@ import copy
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from types import ModuleType
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -103,6 +103,20 @@ class BoundSampler:
     replay: Callable[[torch.Tensor], Any]
     pool: Pool
     law: PooledLaw | None = None
+
+
+class SamplerFamily(Protocol):
+    """What the hook, the run and the map need of a host σ family (docs/ARCHITECTURE.md §3)."""
+
+    name: str
+
+    def bind(self, args: Any, noise_scheduler: Any, latents: torch.Tensor, device: Any, dtype: Any) -> BoundSampler:
+        """The host's sampler bound to one step's arguments."""
+        ...
+
+    def remember(self, sampler: BoundSampler, noise_scheduler: Any, sigmas: torch.Tensor) -> torch.Tensor:
+        """Make σ the host did not draw replayable; returns their positions in the sampler's pool."""
+        ...
 
 
 def _flow_law(args: Any, contract: str, noise_scheduler: Any, latent_hw: tuple[int, int], dtype: Any) -> SigmaLaw | None:

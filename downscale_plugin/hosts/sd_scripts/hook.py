@@ -42,7 +42,7 @@ from ...fasterdit.positions import positions_scope, require_interpolate
 from ...grid import area_downsample, tokens
 from ...router import RouteDecision, Router
 from ...scope import Patches
-from .families import BoundSampler, DDPMFamily, FlowFamily
+from .families import BoundSampler, SamplerFamily
 
 logger = logging.getLogger(__name__)
 
@@ -116,7 +116,7 @@ class DownscaleHook:
     def __init__(
         self,
         router: Router,
-        family: FlowFamily | DDPMFamily,
+        family: SamplerFamily,
         *,
         options: StepOptions | None = None,
         rank: int = 0,

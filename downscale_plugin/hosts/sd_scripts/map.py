@@ -52,7 +52,7 @@ from ...rng import accelerator_devices, forked
 from ...scope import Patches
 from .buckets import DatasetBuckets
 from .facts import VAE_ARCHS, HostError, TrainerArch
-from .families import DDPMFamily, FlowFamily
+from .families import SamplerFamily
 from .hook import DownscaleHook, HostCall
 from .map_backend import HostVae, SdScriptsBackend, split_batch
 from .run import DownscaleRun
@@ -94,9 +94,7 @@ class MapHook(DownscaleHook):
 class MapSession:
     """One map run's state; see the module docstring. ``buckets`` is ``dataset_buckets``' answer."""
 
-    def __init__(
-        self, run: DownscaleRun, ctx: TrainerContext, family: FlowFamily | DDPMFamily, buckets: DatasetBuckets, record: TrainerArch
-    ):
+    def __init__(self, run: DownscaleRun, ctx: TrainerContext, family: SamplerFamily, buckets: DatasetBuckets, record: TrainerArch):
         missing = [name for name in MAP_PACKAGES if importlib.util.find_spec(name) is None]
         if missing:
             raise HostError(f'mode = "map": {", ".join(missing)} not installed; the map needs them: pip install "downscale-plugin[map]"')

@@ -40,7 +40,7 @@ from ...scope import Patches
 from ..kohya import plugin_config
 from .buckets import DatasetBuckets, dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
-from .families import GRID_DEPENDENT_MODES, DDPMFamily, FlowFamily
+from .families import GRID_DEPENDENT_MODES, SamplerFamily
 from .hook import DownscaleHook
 from .resume import HostResume, banner_line
 from .run import FASTERDIT_KEYS, DownscaleRun, Routing, show, version
@@ -79,7 +79,7 @@ class HostSampler:
     buckets pays for one sample.
     """
 
-    family: FlowFamily | DDPMFamily
+    family: SamplerFamily
     args: Any
     noise_scheduler: Any
     dtype: Any
@@ -127,7 +127,9 @@ def _shared_seed(seed: int, accelerator: Any) -> int:
     return int(accelerator.reduce(mine, reduction="sum").item())
 
 
-def _predict(ctx: TrainerContext, family: Any, cfg: DownscaleConfig, arch: str, buckets: DatasetBuckets, world: int) -> Plan | None:
+def _predict(
+    ctx: TrainerContext, family: SamplerFamily, cfg: DownscaleConfig, arch: str, buckets: DatasetBuckets, world: int
+) -> Plan | None:
     """The plan for this run's buckets under the host's own sampler (banner, predicted fractions)."""
     if not buckets.latent_buckets:
         return None
@@ -148,7 +150,7 @@ def _sampler_text(record: TrainerArch, args: Any) -> str:
 
 def routing(
     ctx: TrainerContext,
-    family: Any,
+    family: SamplerFamily,
     cfg: DownscaleConfig,
     arch: str,
     seed: int,

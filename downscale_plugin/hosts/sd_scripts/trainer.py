@@ -16,7 +16,7 @@ from typing import Any
 from ...arch import get_arch
 from ...config import DownscaleConfig
 from .facts import LOSS_HANDLE, SUPPORTED, HostError, TrainerArch, trainer_arch
-from .families import DDPMFamily, FlowFamily
+from .families import DDPMFamily, FlowFamily, SamplerFamily
 from .hook import StepOptions
 
 
@@ -65,7 +65,7 @@ def detect_arch(trainer: Any, args: Any) -> TrainerArch:
     return trainer_arch(trainer, getattr(args, "model_type", None))
 
 
-def make_family(record: TrainerArch) -> FlowFamily | DDPMFamily:
+def make_family(record: TrainerArch) -> SamplerFamily:
     """The σ sampler family of an architecture, bound to the host's module (the one the trainer uses)."""
     module_name, contract = record.sampler
     try:

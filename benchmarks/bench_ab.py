@@ -96,7 +96,7 @@ def load_arm(name: str, spec: str, data: LabData, batch_size: int) -> tuple[Arm,
     except ConfigError as err:
         return Arm(name, spec, None, None), [f"--{name.lower()} {spec}: {p}" for p in err.problems]
     arm = Arm(name, spec, cfg, raw)
-    if not cfg.enable or not (cfg.routes or cfg.direction_loss_weight):
+    if not cfg.enable or not (cfg.routes or cfg.fasterdit.direction_loss_weight):
         return arm, [f"--{name.lower()} {spec}: enable = false, or no routes and no direction loss: the arm would be native"]
     if not cfg.routes:
         return arm, []

@@ -11,10 +11,11 @@ route that step; steps where they did not (each waits for the slowest rank) are 
 
 from __future__ import annotations
 
+import copy
 import re
 from collections import deque
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, fields, replace
 from typing import Any
 
 import torch
@@ -23,6 +24,7 @@ from .arch import ArchSpec, get_arch
 from .config import RouteRule
 from .flops import FlopModel
 from .grid import eligibility_table, tokens
+from .text import pct
 
 FALLBACK_REASONS = ("law_fill", "lead_fill", "other")  # how a coupled step filled the σ its rejection rounds did not find
 
@@ -82,8 +84,73 @@ def _tag(text: str) -> str:
     return re.sub(r"[^A-Za-z0-9_.-]", "-", text)
 
 
-def _pct(x: float) -> str:
-    return f"{100.0 * x:.1f} %"
+@dataclass
+class Counts:
+    """Every count :class:`Accounting` sums over steps, ranks and resumed runs, as one field list
+    that ``state``, ``merge`` and ``reduced`` iterate instead of naming each counter.
+
+    Lists hold one value per route slot (rules, then native), ``fallbacks`` one per reason; the
+    rest are sums (σ over routed samples; FLOPs and tokens over all samples).
+    """
+
+    steps: list[float]
+    samples: list[float]
+    loss_sum: list[float]
+    loss_count: list[float]
+    fallbacks: dict[str, float]
+    resampled: float = 0.0
+    sigma_drawn: float = 0.0
+    sigma_run: float = 0.0
+    flops_native: float = 0.0
+    flops_run: float = 0.0
+    tokens_native: float = 0.0
+    tokens_run: float = 0.0
+
+    @classmethod
+    def empty(cls, slots: int, reasons: Sequence[str]) -> Counts:
+        return cls(*([0.0] * slots for _ in range(4)), dict.fromkeys(reasons, 0.0))
+
+    def state(self) -> dict[str, Any]:
+        return {f.name: copy.copy(getattr(self, f.name)) for f in fields(self)}
+
+    def add(self, state: Mapping[str, Any]) -> None:
+        """Add another :meth:`state` (a reason this accounting does not know counts as ``other``)."""
+        for f in fields(self):
+            mine, theirs = getattr(self, f.name), state[f.name]
+            if isinstance(mine, list):
+                setattr(self, f.name, [a + b for a, b in zip(mine, theirs, strict=True)])
+            elif isinstance(mine, dict):
+                for reason, count in theirs.items():
+                    mine[reason if reason in mine else "other"] += count
+            else:
+                setattr(self, f.name, mine + theirs)
+
+    def values(self) -> list[float]:
+        """Every count as one flat vector, in field order (what ranks sum)."""
+        out: list[float] = []
+        for f in fields(self):
+            value = getattr(self, f.name)
+            out.extend(value if isinstance(value, list) else value.values() if isinstance(value, dict) else [value])
+        return out
+
+    def like(self, take: Iterator[float]) -> Counts:
+        """A copy of this layout filled from a flat vector in :meth:`values` order."""
+        filled: dict[str, Any] = {}
+        for f in fields(self):
+            value = getattr(self, f.name)
+            if isinstance(value, list):
+                filled[f.name] = [next(take) for _ in value]
+            elif isinstance(value, dict):
+                filled[f.name] = {key: next(take) for key in value}
+            else:
+                filled[f.name] = next(take)
+        return Counts(**filled)
+
+    def padded(self, slots: int) -> Counts:
+        """These counts with ``slots`` empty route slots in front (rules added before the native slot)."""
+        return replace(
+            self, **{f.name: [0.0] * slots + getattr(self, f.name) for f in fields(self) if isinstance(getattr(self, f.name), list)}
+        )
 
 
 class Accounting:
@@ -118,18 +185,7 @@ class Accounting:
         self.loss_window = loss_window
         self.sigma_policy = sigma_policy
         slots = len(self.rules) + 1  # rules, then native
-        self.steps = [0.0] * slots
-        self.samples = [0.0] * slots
-        self.loss_sum = [0.0] * slots
-        self.loss_count = [0.0] * slots
-        self.fallbacks = dict.fromkeys(self.fallback_reasons, 0.0)
-        self.resampled = 0.0
-        self.sigma_drawn = 0.0  # sums over routed samples: the σ the gate read, the σ the step ran at
-        self.sigma_run = 0.0
-        self.flops_native = 0.0
-        self.flops_run = 0.0
-        self.tokens_native = 0.0
-        self.tokens_run = 0.0
+        self.counts = Counts.empty(slots, self.fallback_reasons)
         self.hist_run: dict[int, float] = {}
         self.hist_native: dict[int, float] = {}
         self.histogram_complete = True
@@ -163,24 +219,24 @@ class Accounting:
     def record(self, rec: StepRecord) -> None:
         slot = self._slot(rec.rule_index)
         n = len(rec.sigmas)
-        self.steps[slot] += 1
-        self.samples[slot] += n
-        self.resampled += rec.resampled
+        self.counts.steps[slot] += 1
+        self.counts.samples[slot] += n
+        self.counts.resampled += rec.resampled
         if rec.rule_index >= 0:
-            self.sigma_drawn += sum(rec.sigmas)
-            self.sigma_run += sum(rec.sigmas_run)
+            self.counts.sigma_drawn += sum(rec.sigmas)
+            self.counts.sigma_run += sum(rec.sigmas_run)
         if rec.fallback is not None:
-            reason = rec.fallback if rec.fallback in self.fallbacks else "other"
-            self.fallbacks[reason] += 1
-        self.tokens_native += n * rec.tokens_native
-        self.tokens_run += n * rec.tokens_run
+            reason = rec.fallback if rec.fallback in self.counts.fallbacks else "other"
+            self.counts.fallbacks[reason] += 1
+        self.counts.tokens_native += n * rec.tokens_native
+        self.counts.tokens_run += n * rec.tokens_run
         if self.flop_model is not None:
-            self.flops_native += n * self.flop_model.flops(rec.tokens_native)
-            self.flops_run += n * self.flop_model.flops(rec.tokens_run)
+            self.counts.flops_native += n * self.flop_model.flops(rec.tokens_native)
+            self.counts.flops_run += n * self.flop_model.flops(rec.tokens_run)
         self.hist_native[rec.tokens_native] = self.hist_native.get(rec.tokens_native, 0.0) + n
         self.hist_run[rec.tokens_run] = self.hist_run.get(rec.tokens_run, 0.0) + n
         self._last_slot = slot
-        self._vote = [float(i == slot) for i in range(len(self.steps))]
+        self._vote = [float(i == slot) for i in range(len(self.counts.steps))]
         if rec.loss is not None:
             self._add_loss(slot, rec.loss)
 
@@ -190,36 +246,36 @@ class Accounting:
             self._add_loss(self._last_slot, float(loss))
 
     def _add_loss(self, slot: int, loss: float) -> None:
-        self.loss_sum[slot] += loss
-        self.loss_count[slot] += 1
+        self.counts.loss_sum[slot] += loss
+        self.counts.loss_count[slot] += 1
         self._recent[slot].append(loss)
 
     # -- derived figures ------------------------------------------------------------------------
 
     @property
     def total_steps(self) -> float:
-        return sum(self.steps)
+        return sum(self.counts.steps)
 
     def fractions(self) -> dict[int, float]:
         """Step fraction per rule index (−1 native)."""
         total = self.total_steps
-        return {(-1 if s == len(self.rules) else s): (c / total if total else 0.0) for s, c in enumerate(self.steps)}
+        return {(-1 if s == len(self.rules) else s): (c / total if total else 0.0) for s, c in enumerate(self.counts.steps)}
 
     @property
     def routed_samples(self) -> float:
-        return sum(self.samples[:-1])
+        return sum(self.counts.samples[:-1])
 
     def demote_fraction(self) -> float:
         total = self.total_steps
-        return 1.0 - self.steps[-1] / total if total else 0.0
+        return 1.0 - self.counts.steps[-1] / total if total else 0.0
 
     def token_saving(self) -> float:
-        return 1.0 - self.tokens_run / self.tokens_native if self.tokens_native else 0.0
+        return 1.0 - self.counts.tokens_run / self.counts.tokens_native if self.counts.tokens_native else 0.0
 
     def flop_saving(self) -> float | None:
         if self.flop_model is None:
             return None
-        return 1.0 - self.flops_run / self.flops_native if self.flops_native else 0.0
+        return 1.0 - self.counts.flops_run / self.counts.flops_native if self.counts.flops_native else 0.0
 
     def _window_stats(self, slot: int) -> tuple[float, float]:
         recent = self._recent[slot]
@@ -232,7 +288,7 @@ class Accounting:
         fractions = self.fractions()
         if self.predicted is not None:
             out["downscale/demote_frac_pred"] = 1.0 - self.predicted.get(-1, 0.0)
-        for slot in range(len(self.steps)):
+        for slot in range(len(self.counts.steps)):
             index = -1 if slot == len(self.rules) else slot
             key = self._key(slot)
             out[f"downscale/frac/{key}"] = fractions[index]
@@ -241,22 +297,22 @@ class Accounting:
             total, count = self._window_stats(slot)
             if count:
                 out[f"downscale/loss/{key}"] = total / count
-        n = sum(self.samples)
+        n = sum(self.counts.samples)
         if n:
-            out["downscale/tokens_run_mean"] = self.tokens_run / n
-            out["downscale/tokens_native_mean"] = self.tokens_native / n
-            out["downscale/resampled_frac"] = self.resampled / n
+            out["downscale/tokens_run_mean"] = self.counts.tokens_run / n
+            out["downscale/tokens_native_mean"] = self.counts.tokens_native / n
+            out["downscale/resampled_frac"] = self.counts.resampled / n
         routed = self.routed_samples
         if routed and self.sigma_policy != "keep":
-            out["downscale/sigma_drawn_routed_mean"] = self.sigma_drawn / routed
-            out["downscale/sigma_run_routed_mean"] = self.sigma_run / routed
+            out["downscale/sigma_drawn_routed_mean"] = self.counts.sigma_drawn / routed
+            out["downscale/sigma_run_routed_mean"] = self.counts.sigma_run / routed
         out["downscale/token_saving"] = self.token_saving()
         saving = self.flop_saving()
         if saving is not None:
             out["downscale/flop_saving"] = saving
         if self.predicted_flop_saving is not None:
             out["downscale/flop_saving_pred"] = self.predicted_flop_saving
-        for reason, count in self.fallbacks.items():
+        for reason, count in self.counts.fallbacks.items():
             out[f"downscale/fallback/{_tag(reason)}"] = count
         if self.compared:
             out["downscale/rank_disagree_frac"] = self.disagreed / self.compared
@@ -265,36 +321,40 @@ class Accounting:
     def summary_text(self) -> str:
         """The end-of-run summary."""
         total = self.total_steps
-        lines = [f"downscale: {total:.0f} train forwards, {sum(self.samples):.0f} samples"]
+        lines = [f"downscale: {total:.0f} train forwards, {sum(self.counts.samples):.0f} samples"]
         lines.append(f"  {'route':<22}{'steps':>9}{'frac':>9}{'pred':>9}{'mean loss':>12}")
         fractions = self.fractions()
-        for slot in range(len(self.steps)):
+        for slot in range(len(self.counts.steps)):
             index = -1 if slot == len(self.rules) else slot
-            pred = _pct(self.predicted.get(index, 0.0)) if self.predicted is not None else "-"
-            loss = f"{self.loss_sum[slot] / self.loss_count[slot]:.4g}" if self.loss_count[slot] else "-"
-            lines.append(f"  {self._name(slot):<22}{self.steps[slot]:>9.0f}{_pct(fractions[index]):>9}{pred:>9}{loss:>12}")
-        pred = f" (predicted {_pct(1.0 - self.predicted.get(-1, 0.0))})" if self.predicted is not None else ""
-        fallbacks = ", ".join(f"{r} {c:.0f}" for r, c in self.fallbacks.items())
-        n = sum(self.samples)
-        resampled = f"; σ redrawn for {_pct(self.resampled / n)} of samples" if n else ""
-        lines.append(f"  routed {_pct(self.demote_fraction())} of steps{pred}{resampled}; fallbacks: {fallbacks}")
+            pred = pct(self.predicted.get(index, 0.0)) if self.predicted is not None else "-"
+            loss = f"{self.counts.loss_sum[slot] / self.counts.loss_count[slot]:.4g}" if self.counts.loss_count[slot] else "-"
+            lines.append(f"  {self._name(slot):<22}{self.counts.steps[slot]:>9.0f}{pct(fractions[index]):>9}{pred:>9}{loss:>12}")
+        pred = f" (predicted {pct(1.0 - self.predicted.get(-1, 0.0))})" if self.predicted is not None else ""
+        fallbacks = ", ".join(f"{r} {c:.0f}" for r, c in self.counts.fallbacks.items())
+        n = sum(self.counts.samples)
+        resampled = f"; σ redrawn for {pct(self.counts.resampled / n)} of samples" if n else ""
+        lines.append(f"  routed {pct(self.demote_fraction())} of steps{pred}{resampled}; fallbacks: {fallbacks}")
         routed = self.routed_samples
-        means = f": routed samples drawn at mean σ {self.sigma_drawn / routed:.4f}, run at {self.sigma_run / routed:.4f}" if routed else ""
+        means = (
+            f": routed samples drawn at mean σ {self.counts.sigma_drawn / routed:.4f}, run at {self.counts.sigma_run / routed:.4f}"
+            if routed
+            else ""
+        )
         lines.append(f"  σ policy {self.sigma_policy}{means}")
         if self.compared:
             lines.append(
                 f"  ranks ran different routes on {self.disagreed:.0f} of {self.compared:.0f} steps "
-                f"({_pct(self.disagreed / self.compared)}; each waits for the slowest rank)"
+                f"({pct(self.disagreed / self.compared)}; each waits for the slowest rank)"
             )
         if n:
             lines.append(
-                f"  tokens per sample: native {self.tokens_native / n:.0f}, run {self.tokens_run / n:.0f} "
-                f"(token saving {_pct(self.token_saving())})"
+                f"  tokens per sample: native {self.counts.tokens_native / n:.0f}, run {self.counts.tokens_run / n:.0f} "
+                f"(token saving {pct(self.token_saving())})"
             )
         saving = self.flop_saving()
         if saving is not None:
-            pred = f" vs {_pct(self.predicted_flop_saving)} predicted" if self.predicted_flop_saving is not None else ""
-            lines.append(f"  FLOP saving {_pct(saving)} realized{pred}")
+            pred = f" vs {pct(self.predicted_flop_saving)} predicted" if self.predicted_flop_saving is not None else ""
+            lines.append(f"  FLOP saving {pct(saving)} realized{pred}")
         if self.hist_run:
             hist = ", ".join(f"{n_tok}×{c:.0f}" for n_tok, c in sorted(self.hist_run.items(), reverse=True))
             scope = "" if self.histogram_complete else " (this rank only: tokens outside token_values)"
@@ -304,19 +364,11 @@ class Accounting:
     # -- combining ranks ------------------------------------------------------------------------
 
     def state(self) -> dict[str, Any]:
-        """Plain counts, for ``gather_object`` style combining with :meth:`merge`."""
-        windows = [self._window_stats(s) for s in range(len(self.steps))]
+        """Plain counts, for ``gather_object`` style combining with :meth:`merge`: the :class:`Counts`
+        fields, the recent-loss windows, the token histograms and the cross-rank comparison."""
         return {
-            "steps": list(self.steps),
-            "samples": list(self.samples),
-            "loss_sum": list(self.loss_sum),
-            "loss_count": list(self.loss_count),
-            "window": windows,
-            "fallbacks": dict(self.fallbacks),
-            "resampled": self.resampled,
-            "sigma": (self.sigma_drawn, self.sigma_run),
-            "flops": (self.flops_native, self.flops_run),
-            "tokens": (self.tokens_native, self.tokens_run),
+            **self.counts.state(),
+            "window": [self._window_stats(s) for s in range(len(self.counts.steps))],
             "hist_run": dict(self.hist_run),
             "hist_native": dict(self.hist_native),
             "ranks": (self.compared, self.disagreed),
@@ -324,21 +376,8 @@ class Accounting:
 
     def merge(self, state: Mapping[str, Any]) -> None:
         """Add another rank's :meth:`state` into this one (a reporting copy: its recent-loss window stays a fixed sum)."""
-        for name in ("steps", "samples", "loss_sum", "loss_count"):
-            mine = getattr(self, name)
-            for i, v in enumerate(state[name]):
-                mine[i] += v
+        self.counts.add(state)
         self._window = [(a + s, b + c) for (a, b), (s, c) in zip(self._window, state["window"], strict=True)]
-        for reason, count in state["fallbacks"].items():
-            key = reason if reason in self.fallbacks else "other"
-            self.fallbacks[key] += count
-        self.resampled += state["resampled"]
-        self.sigma_drawn += state["sigma"][0]
-        self.sigma_run += state["sigma"][1]
-        self.flops_native += state["flops"][0]
-        self.flops_run += state["flops"][1]
-        self.tokens_native += state["tokens"][0]
-        self.tokens_run += state["tokens"][1]
         compared, disagreed = state.get("ranks", (0.0, 0.0))  # already over all ranks: the same in every rank's state
         self.compared, self.disagreed = max(self.compared, compared), max(self.disagreed, disagreed)
         for name in ("hist_run", "hist_native"):
@@ -347,23 +386,12 @@ class Accounting:
                 mine[int(n_tok)] = mine.get(int(n_tok), 0.0) + c
 
     def _vector(self) -> list[float]:
-        windows = [self._window_stats(s) for s in range(len(self.steps))]
+        windows = [self._window_stats(s) for s in range(len(self.counts.steps))]
         outside = sum(1 for n_tok in (*self.hist_run, *self.hist_native) if n_tok not in self.token_values)
         return [
-            *self.steps,
-            *self.samples,
-            *self.loss_sum,
-            *self.loss_count,
+            *self.counts.values(),
             *(w[0] for w in windows),
             *(w[1] for w in windows),
-            *self.fallbacks.values(),
-            self.resampled,
-            self.sigma_drawn,
-            self.sigma_run,
-            self.flops_native,
-            self.flops_run,
-            self.tokens_native,
-            self.tokens_run,
             float(outside),
             *(self.hist_run.get(n_tok, 0.0) for n_tok in self.token_values),
             *(self.hist_native.get(n_tok, 0.0) for n_tok in self.token_values),
@@ -380,7 +408,7 @@ class Accounting:
         this accounting's ``compared``/``disagreed`` (the same on every rank) count it.
         """
         vec = torch.tensor(self._vector(), dtype=torch.float64, device=device)
-        flat = fn(vec).detach().to("cpu", torch.float64).tolist()
+        take = iter(fn(vec).detach().to("cpu", torch.float64).tolist())
         out = Accounting(
             self.rules,
             self.flop_model,
@@ -391,17 +419,14 @@ class Accounting:
             loss_window=self.loss_window,
             sigma_policy=self.sigma_policy,
         )
-        slots = len(self.steps)
-        take = iter(flat)
+        slots = len(self.counts.steps)
 
         def chunk(n: int) -> list[float]:
             return [next(take) for _ in range(n)]
 
-        out.steps, out.samples, out.loss_sum, out.loss_count = chunk(slots), chunk(slots), chunk(slots), chunk(slots)
+        out.counts = self.counts.like(take)
         out._window = list(zip(chunk(slots), chunk(slots), strict=True))
-        out.fallbacks = dict(zip(self.fallback_reasons, chunk(len(self.fallback_reasons)), strict=True))
-        out.resampled, out.sigma_drawn, out.sigma_run = chunk(3)
-        out.flops_native, out.flops_run, out.tokens_native, out.tokens_run, outside = chunk(5)
+        (outside,) = chunk(1)
         hist_run, hist_native = chunk(len(self.token_values)), chunk(len(self.token_values))
         if outside == 0:
             out.hist_run = {n_tok: c for n_tok, c in zip(self.token_values, hist_run, strict=True) if c}

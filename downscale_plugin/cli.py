@@ -19,6 +19,7 @@ from typing import Any
 from .arch import ARCH_NAMES
 from .config import ConfigError, DownscaleConfig, format_problems, load_config, read_plugin_toml
 from .plan import Sampler, format_plan, plan_table
+from .text import ROUTE_HEADER, route_rows
 
 
 @dataclass(frozen=True)
@@ -158,11 +159,12 @@ def load_cli_config(args: argparse.Namespace) -> tuple[DownscaleConfig, dict[str
 
 
 def _routes_text(cfg: DownscaleConfig) -> list[str]:
-    lines = [f"  {'#':<4}{'route':<14}{'window':<16}{'span':<12}name"]
-    for i, r in enumerate(cfg.routes):
-        route = f"{r.native}:{r.target}" if r.native else f"x{r.scale:g}"
-        lines.append(f"  r{i:<3}{route:<14}{r.window_text():<16}{str(r.span or '-'):<12}{r.name}".rstrip())
-    return lines
+    """The check's route table; a named route shows the edges it stands for."""
+    edges = [(f"{r.native}:{r.target}" if r.native else f"x{r.scale:g}") if r.name else "" for r in cfg.routes]
+    return [
+        f"  {ROUTE_HEADER}edges".rstrip(),
+        *(f"  {row}{edge}".rstrip() for row, edge in zip(route_rows(cfg.routes), edges, strict=True)),
+    ]
 
 
 def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
@@ -209,14 +211,14 @@ def _run_check(args: argparse.Namespace) -> int:
         f"tier_tolerance {cfg.tier_tolerance:g}, arch {cfg.arch or 'auto'}, inner {cfg.inner or 'auto'}"
     )
     print(
-        f"  direction_loss_weight {cfg.direction_loss_weight:g}, direction_loss_only_routed {str(cfg.direction_loss_only_routed).lower()}, "
-        f"sigma_policy {cfg.sigma_policy}, positions {cfg.positions}"
+        f"  direction_loss_weight {cfg.fasterdit.direction_loss_weight:g}, direction_loss_only_routed {str(cfg.fasterdit.direction_loss_only_routed).lower()}, "
+        f"sigma_policy {cfg.fasterdit.sigma_policy}, positions {cfg.fasterdit.positions}"
     )
     if cfg.mode == "map":
         print(
-            f"  mode map: map_out {cfg.map_out}, after_map {cfg.after_map}, ratios {', '.join(f'{r:g}' for r in cfg.map_ratios)}, "
-            f"bins {cfg.map_bins}, draws {cfg.map_draws}, images {cfg.map_images}, margin {cfg.map_margin:g}"
-            f"{', Bonferroni' if cfg.map_simultaneous else ''}; the routes come from the map"
+            f"  mode map: map_out {cfg.map.out}, after_map {cfg.after_map}, ratios {', '.join(f'{r:g}' for r in cfg.map.ratios)}, "
+            f"bins {cfg.map.bins}, draws {cfg.map.draws}, images {cfg.map.images}, margin {cfg.map.margin:g}"
+            f"{', Bonferroni' if cfg.map.simultaneous else ''}; the routes come from the map"
         )
     else:
         print("\n".join(_routes_text(cfg)))

@@ -42,6 +42,12 @@ UNPREFIXED_NETWORK_ARGS = ("inner", "downscale_config")
 ROUTE_KEYS = ("route", "scale", "sigma_min", "sigma_max", "span", "name")
 
 
+def require_gate(gate: str) -> None:
+    """The one check of a gate name for code that takes it directly (the router, ``plan``)."""
+    if gate not in GATES:
+        raise ValueError(f"gate: {gate!r} is not allowed (allowed: {', '.join(GATES)})")
+
+
 class ConfigError(ValueError):
     """One or more configuration problems, each naming the offending key."""
 
@@ -123,6 +129,54 @@ def _key(default: Any, kind: str, allowed: Any = None, help: str = "") -> Any:
     return field(default=default, metadata={"kind": kind, "allowed": allowed, "help": help})
 
 
+def _check_fields(obj: Any) -> None:
+    """Check a directly built settings object against its fields' schema (``load_config`` checks
+    every source the same way, collecting the problems); ``None`` is an unset optional key."""
+    problems: list[str] = []
+    for f in fields(obj):
+        value = getattr(obj, f.name)
+        if "kind" in f.metadata and value is not None:
+            _check_scalar(f.name, f.metadata["kind"], f.metadata["allowed"], value, problems)
+    if problems:
+        raise ConfigError(problems)
+
+
+@dataclass(frozen=True)
+class MapConfig:
+    """The in-run gradient map's settings (``mode = "map"``, mapping/); TOML key = ``map_`` + field."""
+
+    ratios: tuple[float, ...] = _key(DEFAULT_MAP_RATIOS, "ratios", help="the map's linear ratios")
+    bins: str = _key(DEFAULT_BINS, "bins", help="the map's σ bins")
+    draws: int = _key(8, "int", (2, 4096), "noise draws per arm and bin (even)")
+    images: int = _key(8, "int", (2, None), "probe samples from the run's first batches")
+    margin: float = _key(0.05, "float", (0.0, 1.0), "the margin ε a safe bin's upper bound must stay below")
+    simultaneous: bool = _key(False, "bool", help="bounds simultaneous over all bins of an arm")
+    out: str | None = _key(None, "str", help="directory for the map's files")
+    reenc: bool = _key(False, "bool", help="add the VAE re-encode control arm")
+    pixel: bool = _key(False, "bool", help="add the pixel-downscale-then-encode arms")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
+class FasterDitConfig:
+    """FasterDiT's options on routed and native steps (fasterdit/); TOML key = field name."""
+
+    direction_loss_weight: float = _key(0.0, "float_min", 0.0, "FasterDiT's direction-loss λ (0: off)")
+    direction_loss_only_routed: bool = _key(False, "bool", help="add the direction term only on routed steps")
+    sigma_policy: str = _key("keep", "enum", SIGMA_POLICIES, "σ a routed step runs at")
+    positions: str = _key("plain", "enum", POSITIONS, "position ids of a routed step")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+def _group(prefix: str, settings: type) -> Any:
+    """A nested settings field whose keys stay flat in every source: ``prefix`` + the field's name."""
+    return field(default_factory=settings, metadata={"group": prefix})
+
+
 @dataclass(frozen=True)
 class DownscaleConfig:
     """The plugin's settings; each field's metadata is its key's schema (kind, allowed values, help)."""
@@ -135,38 +189,55 @@ class DownscaleConfig:
     tier_tolerance: float = _key(0.1, "float", (0.0, 0.5), "a bucket is in tier E when √(W·H) is within this fraction of E")
     arch: str | None = _key(None, "enum", ARCH_NAMES, "the architecture (default: detected from the trainer)")
     inner: str | None = _key(None, "str", help="inner network module (default: the trainer's own LoRA module)")
-    direction_loss_weight: float = _key(0.0, "float_min", 0.0, "FasterDiT's direction-loss λ (0: off)")
-    direction_loss_only_routed: bool = _key(False, "bool", help="add the direction term only on routed steps")
-    sigma_policy: str = _key("keep", "enum", SIGMA_POLICIES, "σ a routed step runs at")
-    positions: str = _key("plain", "enum", POSITIONS, "position ids of a routed step")
+    fasterdit: FasterDitConfig = _group("", FasterDitConfig)
     mode: str = _key("train", "enum", MODES, "map: measure the gradient map in this run and derive the windows")
     after_map: str = _key("stop", "enum", AFTER_MAP, "after the map: stop, or train on with the derived windows")
-    map_ratios: tuple[float, ...] = _key(DEFAULT_MAP_RATIOS, "ratios", help="the map's linear ratios")
-    map_bins: str = _key(DEFAULT_BINS, "bins", help="the map's σ bins")
-    map_draws: int = _key(8, "int", (2, 4096), "noise draws per arm and bin (even)")
-    map_images: int = _key(8, "int", (2, None), "probe samples from the run's first batches")
-    map_margin: float = _key(0.05, "float", (0.0, 1.0), "the margin ε a safe bin's upper bound must stay below")
-    map_simultaneous: bool = _key(False, "bool", help="bounds simultaneous over all bins of an arm")
-    map_out: str | None = _key(None, "str", help="directory for the map's files")
-    map_reenc: bool = _key(False, "bool", help="add the VAE re-encode control arm")
-    map_pixel: bool = _key(False, "bool", help="add the pixel-downscale-then-encode arms")
+    map: MapConfig = _group("map_", MapConfig)
     sources: tuple[str, ...] = field(default=(), compare=False)
 
     def with_routes(self, routes: Sequence[RouteRule]) -> DownscaleConfig:
         return replace(self, routes=tuple(routes))
 
 
+def _schema() -> dict[str, tuple[str | None, Any]]:
+    """Every flat key → (the nested group it fills or None, its field), in the dataclasses' order."""
+    keys: dict[str, tuple[str | None, Any]] = {}
+    for top in fields(DownscaleConfig):
+        if "group" in top.metadata:
+            for sub in fields(top.default_factory):
+                keys[top.metadata["group"] + sub.name] = (top.name, sub)
+        elif "kind" in top.metadata:
+            keys[top.name] = (None, top)
+    return keys
+
+
+_SCHEMA = _schema()
 # The keys every source accepts, from the fields above, plus the one key that names a source.
-_TOP_KEYS: dict[str, tuple[str, Any]] = {
-    f.name: (f.metadata["kind"], f.metadata["allowed"]) for f in fields(DownscaleConfig) if "kind" in f.metadata
-}
+_TOP_KEYS: dict[str, tuple[str, Any]] = {key: (f.metadata["kind"], f.metadata["allowed"]) for key, (_, f) in _SCHEMA.items()}
 _TOP_KEYS["downscale_config"] = ("str", None)
+
+
+def config_fields() -> dict[str, Any]:
+    """Every flat config key → the dataclass field that holds its schema and default."""
+    return {key: f for key, (_, f) in _SCHEMA.items()}
 
 
 def config_keys() -> dict[str, str]:
     """Every config key and its help (the README's key table lists exactly these)."""
-    keys = {f.name: f.metadata["help"] for f in fields(DownscaleConfig) if "kind" in f.metadata}
+    keys = {key: f.metadata["help"] for key, f in config_fields().items()}
     return {**keys, "downscale_config": "a plugin TOML with the same keys at its top level"}
+
+
+def _build(merged: Mapping[str, Any], routes: tuple[RouteRule, ...], sources: tuple[str, ...]) -> DownscaleConfig:
+    """The config from checked flat keys: each key goes to its field or its nested group."""
+    top: dict[str, Any] = {}
+    groups: dict[str, dict[str, Any]] = {}
+    for key, value in merged.items():
+        group, f = _SCHEMA[key]
+        (groups.setdefault(group, {}) if group else top)[f.name] = value
+    for group, values in groups.items():
+        top[group] = next(x.default_factory for x in fields(DownscaleConfig) if x.name == group)(**values)
+    return DownscaleConfig(routes=routes, sources=sources, **top)
 
 
 def _suggest(key: str, choices: Sequence[str]) -> str:
@@ -589,4 +660,4 @@ def load_config(
     problems += _map_problems(merged, bool(raw_routes), rejected)
     if problems:
         raise ConfigError(problems)
-    return DownscaleConfig(routes=tuple(rules), sources=tuple(sources), **merged)
+    return _build(merged, tuple(rules), tuple(sources))

@@ -25,11 +25,12 @@ from typing import Protocol
 import torch
 
 from .arch import ArchSpec, get_arch
-from .config import DownscaleConfig, RouteRule, Span
+from .config import DownscaleConfig, RouteRule, Span, require_gate
 from .flops import FlopModel, predicted_saving
 from .grid import eligibility, tokens
 from .router import candidate_rounds
 from .sigma import DiscreteLaw
+from .text import ROUTE_HEADER, pct, route_rows
 
 Window = tuple[float, float | None]  # strict (lo, hi); hi None: no upper bound
 
@@ -231,8 +232,7 @@ def route_probabilities(
     fraction of steps; by default :func:`span_states` of the rules at ``total_forwards``. A coupled
     step runs its category whether or not its rejection ran out (``max_tries`` moves only the fill rate).
     """
-    if gate not in ("coupled", "strict"):
-        raise ValueError(f"gate: {gate!r} is not allowed (allowed: coupled, strict)")
+    require_gate(gate)
     spec = arch if isinstance(arch, ArchSpec) else get_arch(arch)
     states = spans_active_fraction if spans_active_fraction is not None else span_states(rules, total_forwards)
     probs, _ = _route_odds(
@@ -359,10 +359,6 @@ def plan_table(
     )
 
 
-def _pct(x: float) -> str:
-    return f"{100.0 * x:.1f} %"
-
-
 def _px(hw: tuple[int, int], arch: ArchSpec) -> str:
     return f"{hw[1] * arch.vae_factor}x{hw[0] * arch.vae_factor}"
 
@@ -375,13 +371,12 @@ def format_plan(plan: Plan, sampler_text: str = "") -> str:
         f"router: gate {plan.gate}, batch size {plan.batch_size}, arch {arch.name}"
         + (f", σ sampler {sampler_text}" if sampler_text else "")
     ]
-    lines.append(f"  {'#':<4}{'route':<14}{'window':<16}{'span':<12}{'fires':>9}")
-    for i, r in enumerate(plan.rules):
-        lines.append(f"  r{i:<3}{r.label:<14}{r.window_text():<16}{str(r.span or '-'):<12}{_pct(plan.probs[i]):>9}")
-    lines.append(f"  {'native':<46}{_pct(plan.probs[-1]):>9}")
+    lines.append(f"  {ROUTE_HEADER}{'fires':>9}")
+    lines += [f"  {row}{pct(plan.probs[i]):>9}" for i, row in enumerate(route_rows(plan.rules))]
+    lines.append(f"  {'native':<46}{pct(plan.probs[-1]):>9}")
     if plan.fallback >= 5e-4:
         lines.append(
-            f"  ({_pct(plan.fallback)} of steps run out of rejection rounds and fill their remaining σ from the category's conditional; the σ marginal stays exact)"
+            f"  ({pct(plan.fallback)} of steps run out of rejection rounds and fill their remaining σ from the category's conditional; the σ marginal stays exact)"
         )
     lines.append("")
     lines.append("per bucket (pixels W x H, latent h x w, image tokens; per route: target latent and probability):")
@@ -392,15 +387,15 @@ def format_plan(plan: Plan, sampler_text: str = "") -> str:
         cells = ""
         for i in range(len(plan.rules)):
             t = row.targets.get(i)
-            cells += f"{(f'{t[0]}x{t[1]} {_pct(row.probs[i])}' if t else '-'):<{width}}"
+            cells += f"{(f'{t[0]}x{t[1]} {pct(row.probs[i])}' if t else '-'):<{width}}"
         lines.append(
             f"  {_px(row.latent_hw, arch):<11}{f'{row.latent_hw[0]}x{row.latent_hw[1]}':<10}{row.tokens[-1]:>7}  {cells}"
-            f"{_pct(row.probs[-1]):>8}{_pct(row.token_saving):>14}{_pct(row.flop_saving):>13}"
+            f"{pct(row.probs[-1]):>8}{pct(row.token_saving):>14}{pct(row.flop_saving):>13}"
         )
     lines.append("")
     lines.append(
-        f"overall ({len(plan.buckets)} buckets, weighted): routed {_pct(1.0 - plan.probs[-1])} of steps, "
-        f"tokens saved {_pct(plan.token_saving)}, FLOPs saved {_pct(plan.flop_saving)}"
+        f"overall ({len(plan.buckets)} buckets, weighted): routed {pct(1.0 - plan.probs[-1])} of steps, "
+        f"tokens saved {pct(plan.token_saving)}, FLOPs saved {pct(plan.flop_saving)}"
     )
     if plan.never_routing:
         lines.append(f"never routing ({len(plan.never_routing)}): " + ", ".join(_px(hw, arch) for hw in plan.never_routing))

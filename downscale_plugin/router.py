@@ -37,7 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from .arch import ArchSpec, get_arch
-from .config import DownscaleConfig, RouteRule
+from .config import DownscaleConfig, RouteRule, require_gate
 from .grid import rule_ratio, target_grid
 from .rng import forked, seed_forked
 from .sigma import SigmaLaw
@@ -152,8 +152,7 @@ class Router:
         tier_tolerance: float = 0.1,
         devices: Sequence[torch.device] = (),
     ):
-        if gate not in ("coupled", "strict"):
-            raise ValueError(f"gate: {gate!r} is not allowed (allowed: coupled, strict)")
+        require_gate(gate)
         self.rules = tuple(rules)
         self.arch = arch if isinstance(arch, ArchSpec) else get_arch(arch)
         self.gate = gate
@@ -311,7 +310,8 @@ class Router:
         self._reject(draw, fill, category, active, batch, tally)
         filled, how = fill.missing.numel(), None
         if filled and law is not None:
-            self._law_fill(law, fill, category, active, tally, _mix(self.seed, idx, rank, _LAW_STREAM))
+            if not self._law_fill(law, fill, category, active, tally, _mix(self.seed, idx, rank, _LAW_STREAM)):
+                return RouteDecision(-1, None, host, None, fallback="other")  # the host's own step, counted
             how = "law_fill"
         elif filled:
             fill.put(lead.expand(filled), lead_source.expand(filled))
@@ -330,9 +330,10 @@ class Router:
             if fill.missing.numel() == 0:
                 return
 
-    def _law_fill(self, law: SigmaLaw, fill: _Fill, category: int, active: Sequence[_Active], tally: _Tally, seed: int) -> None:
+    def _law_fill(self, law: SigmaLaw, fill: _Fill, category: int, active: Sequence[_Active], tally: _Tally, seed: int) -> bool:
         """Fill the rest from the law's conditional on a private generator; a draw that the host's
-        dtype rounds out of the category is drawn again."""
+        dtype rounds out of the category is drawn again. False when ``_LAW_TRIES`` rounds all fall
+        outside it (a law that is not the host's): the caller runs the host's own draws natively."""
         generator = torch.Generator().manual_seed(seed)
         classify = lambda x: self.categories(x, active)  # noqa: E731
         for _ in range(_LAW_TRIES):
@@ -342,5 +343,5 @@ class Router:
             ok = (self.categories(cand, active) == category).nonzero().flatten()
             fill.put(cand[ok], sources[ok])
             if fill.missing.numel() == 0:
-                return
-        raise RuntimeError(f"σ law: {_LAW_TRIES} rounds of conditional draws fell outside category {category}; the law is not the host's")
+                return True
+        return False

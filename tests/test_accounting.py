@@ -1,7 +1,9 @@
+from dataclasses import fields
+
 import pytest
 import torch
 
-from downscale_plugin.accounting import Accounting, StepRecord
+from downscale_plugin.accounting import Accounting, Counts, StepRecord
 from downscale_plugin.arch import ARCHS
 from downscale_plugin.config import RouteRule
 from downscale_plugin.flops import FlopModel, predicted_saving
@@ -74,7 +76,7 @@ def test_accounting_fractions_histogram_and_saving():
     acc = _filled(m, predicted_flop_saving=0.2)
     assert acc.fractions() == pytest.approx({-1: 0.6, 0: 0.2, 1: 0.2})
     assert acc.demote_fraction() == pytest.approx(0.4)
-    assert acc.fallbacks["law_fill"] == 1
+    assert acc.counts.fallbacks["law_fill"] == 1
     assert acc.hist_run == {4096: 24.0, 2304: 8.0, 3136: 8.0}
     assert acc.flop_saving() == pytest.approx(predicted_saving(acc.hist_run, acc.hist_native, m))
     assert acc.token_saving() == pytest.approx(predicted_saving(acc.hist_run, acc.hist_native))
@@ -105,13 +107,13 @@ def test_loss_reported_after_the_step_goes_to_the_last_route():
     assert s["downscale/loss/r0_1024-768"] == pytest.approx(5.0)  # window of the last two
     assert s["downscale/loss/native"] == pytest.approx(3.0)
     assert "downscale/loss/r1_1024-896" not in s
-    assert acc.loss_sum[0] / acc.loss_count[0] == pytest.approx(13.0 / 4)
+    assert acc.counts.loss_sum[0] / acc.counts.loss_count[0] == pytest.approx(13.0 / 4)
 
 
 def test_unknown_fallback_reason_counts_as_other():
     acc = Accounting(RULES)
     acc.record(_rec(1, -1, fallback="something new"))
-    assert acc.fallbacks == {"law_fill": 0, "lead_fill": 0, "other": 1}
+    assert acc.counts.fallbacks == {"law_fill": 0, "lead_fill": 0, "other": 1}
 
 
 def _assert_same(x: Accounting, y: Accounting, ignore: tuple[str, ...] = ()) -> None:
@@ -209,7 +211,7 @@ def test_drawn_and_run_sigma_of_routed_samples_are_kept_apart_and_summed_over_ra
         return acc
 
     one = filled(recs)
-    assert (one.sigma_drawn, one.sigma_run) == pytest.approx((3.0, 2.8))  # routed samples only
+    assert (one.counts.sigma_drawn, one.counts.sigma_run) == pytest.approx((3.0, 2.8))  # routed samples only
     assert one.scalars()["downscale/sigma_drawn_routed_mean"] == pytest.approx(0.75)
     assert one.scalars()["downscale/sigma_run_routed_mean"] == pytest.approx(0.7)
     assert "σ policy res_shift: routed samples drawn at mean σ 0.7500, run at 0.7000" in one.summary_text()
@@ -224,3 +226,22 @@ def test_drawn_and_run_sigma_of_routed_samples_are_kept_apart_and_summed_over_ra
     keep.record(recs[1])
     assert "σ policy keep: routed samples drawn at mean σ 0.7500, run at 0.7500" in keep.summary_text()
     assert "downscale/sigma_run_routed_mean" not in keep.scalars()
+
+
+def test_every_counter_survives_state_merge_and_reduce():
+    """All :class:`Counts` fields travel through ``state``/``merge`` and the rank reduction, so a
+    counter added to the dataclass cannot be left out of either."""
+    acc = Accounting(RULES)
+    values = iter(range(1, 1000))
+    for f in fields(Counts):
+        value = getattr(acc.counts, f.name)
+        if isinstance(value, list):
+            setattr(acc.counts, f.name, [float(next(values)) for _ in value])
+        elif isinstance(value, dict):
+            setattr(acc.counts, f.name, {key: float(next(values)) for key in value})
+        else:
+            setattr(acc.counts, f.name, float(next(values)))
+    merged = Accounting(RULES)
+    merged.merge(acc.state())
+    assert merged.counts == acc.counts == acc.reduced(lambda t: t).counts
+    assert set(acc.state()) >= {f.name for f in fields(Counts)}

@@ -388,7 +388,12 @@ def test_defaults_when_only_routes_given():
 
 def test_fasterdit_defaults_are_off():
     cfg = load_config(table={"routes": [A]})
-    assert (cfg.direction_loss_weight, cfg.direction_loss_only_routed, cfg.sigma_policy, cfg.positions) == (0.0, False, "keep", "plain")
+    assert (
+        cfg.fasterdit.direction_loss_weight,
+        cfg.fasterdit.direction_loss_only_routed,
+        cfg.fasterdit.sigma_policy,
+        cfg.fasterdit.positions,
+    ) == (0.0, False, "keep", "plain")
 
 
 def test_fasterdit_keys_from_network_args_strings_win_over_the_table():
@@ -406,28 +411,33 @@ def test_fasterdit_keys_from_network_args_strings_win_over_the_table():
     cfg = load_config(plugin, table)
     assert inner == {"conv_dim": "4"}
     expected = (0.25, True, "snr_match", "interpolate")
-    assert (cfg.direction_loss_weight, cfg.direction_loss_only_routed, cfg.sigma_policy, cfg.positions) == expected
-    weight = load_config(table=table).direction_loss_weight
+    assert (
+        cfg.fasterdit.direction_loss_weight,
+        cfg.fasterdit.direction_loss_only_routed,
+        cfg.fasterdit.sigma_policy,
+        cfg.fasterdit.positions,
+    ) == expected
+    weight = load_config(table=table).fasterdit.direction_loss_weight
     assert weight == 1.0 and type(weight) is float
 
 
 def test_direction_loss_alone_needs_no_routes():
     cfg = load_config(network_args={"direction_loss_weight": "0.1"})
-    assert cfg.enable and cfg.routes == () and cfg.direction_loss_weight == 0.1
+    assert cfg.enable and cfg.routes == () and cfg.fasterdit.direction_loss_weight == 0.1
 
 
 def test_map_mode_needs_no_routes_and_takes_its_keys_from_every_source():
     plugin, _ = split_network_args({"ds_mode": "map", "ds_map_ratios": "0.75, 0.5", "ds_map_draws": "4", "ds_after_map": "train"})
     table = {"map_out": "m", "map_draws": 16, "map_images": 3, "map_simultaneous": True}
     cfg = load_config(plugin, table, plugin_toml={"map_margin": 0.1, "map_bins": "0,0.5,1", "map_images": 99})
-    assert cfg.routes == () and (cfg.mode, cfg.after_map, cfg.map_out) == ("map", "train", "m")
-    assert cfg.map_ratios == (0.75, 0.5) and cfg.map_draws == 4 and cfg.map_images == 3  # network_args > table > plugin TOML
-    assert (cfg.map_margin, cfg.map_bins, cfg.map_simultaneous) == (0.1, "0,0.5,1", True)
-    assert (cfg.map_reenc, cfg.map_pixel) == (False, False)
+    assert cfg.routes == () and (cfg.mode, cfg.after_map, cfg.map.out) == ("map", "train", "m")
+    assert cfg.map.ratios == (0.75, 0.5) and cfg.map.draws == 4 and cfg.map.images == 3  # network_args > table > plugin TOML
+    assert (cfg.map.margin, cfg.map.bins, cfg.map.simultaneous) == (0.1, "0,0.5,1", True)
+    assert (cfg.map.reenc, cfg.map.pixel) == (False, False)
     vae_arms = load_config(split_network_args({"ds_map_pixel": "true"})[0], {"mode": "map", "map_out": "m", "map_reenc": True})
-    assert (vae_arms.map_reenc, vae_arms.map_pixel) == (True, True)
+    assert (vae_arms.map.reenc, vae_arms.map.pixel) == (True, True)
     defaults = load_config(table={"routes": [A]})
-    assert (defaults.mode, defaults.after_map, defaults.map_ratios, defaults.map_draws, defaults.map_out) == (
+    assert (defaults.mode, defaults.after_map, defaults.map.ratios, defaults.map.draws, defaults.map.out) == (
         "train",
         "stop",
         (0.875, 0.75, 0.5),

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import re
-from dataclasses import fields
+from dataclasses import replace
 from pathlib import Path
 
+import pytest
 import toml
 
-from downscale_plugin.config import DownscaleConfig, config_keys, load_config
+from downscale_plugin.config import ConfigError, FasterDitConfig, MapConfig, config_fields, config_keys, load_config
 
 README = Path(__file__).resolve().parent.parent / "README.md"
 
@@ -31,7 +32,7 @@ def test_readme_table_lists_exactly_the_config_keys():
 
 def test_readme_defaults_are_the_field_defaults():
     """Single-key rows whose default is a TOML literal state the field's default."""
-    defaults = {f.name: f.default for f in fields(DownscaleConfig)}
+    defaults = {key: f.default for key, f in config_fields().items()}
     checked = 0
     for key, cell in readme_key_rows().items():
         literal = re.fullmatch(r"`([^`]+)`", cell)
@@ -45,3 +46,15 @@ def test_every_key_has_help_and_parses_from_its_own_schema():
     assert all(config_keys().values())
     cfg = load_config(table={"gate": "strict", "max_tries": 3, "routes": [{"scale": 0.5, "sigma_min": 0.9}]})
     assert (cfg.gate, cfg.max_tries) == ("strict", 3)
+
+
+def test_nested_settings_take_flat_keys_and_check_themselves():
+    """``map_draws`` fills ``cfg.map.draws``, ``sigma_policy`` fills ``cfg.fasterdit.sigma_policy``;
+    a settings object built directly is checked against the same schema."""
+    cfg = load_config(table={"mode": "map", "map_out": "m", "map_draws": 4, "direction_loss_weight": 0.2})
+    assert (cfg.map.draws, cfg.map.out, cfg.fasterdit.direction_loss_weight) == (4, "m", 0.2)
+    assert cfg.map == replace(MapConfig(), draws=4, out="m") and cfg.fasterdit == FasterDitConfig(direction_loss_weight=0.2)
+    with pytest.raises(ConfigError, match=r"draws: 1 is out of range \(allowed: 2 to 4096\)"):
+        MapConfig(draws=1)
+    with pytest.raises(ConfigError, match="positions: 'near' is not allowed"):
+        FasterDitConfig(positions="near")

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 from downscale_plugin.arch import get_arch
-from downscale_plugin.config import SIGMA_POLICIES, load_config
+from downscale_plugin.config import SIGMA_POLICIES, FasterDitConfig, load_config
 from downscale_plugin.fasterdit.policies import shift_sigma
 from downscale_plugin.flops import FlopModel
 from downscale_plugin.grid import area_downsample
@@ -164,10 +164,12 @@ def test_routed_step_runs_at_the_policy_sigma_and_accounting_keeps_both(policy, 
     assert spy.calls[-1]["img"].shape[1] == 16  # the routed grid
     torch.testing.assert_close(ran, shift_sigma(drawn, k), atol=1e-6, rtol=0)
     acc = plugin.accounting
-    assert acc.sigma_drawn == pytest.approx(drawn.sum().item()) and acc.sigma_run == pytest.approx(shift_sigma(drawn, k).sum().item())
+    assert acc.counts.sigma_drawn == pytest.approx(drawn.sum().item()) and acc.counts.sigma_run == pytest.approx(
+        shift_sigma(drawn, k).sum().item()
+    )
     assert f"σ policy {policy}" in acc.summary_text()
     if policy == "keep":
-        assert acc.sigma_run == acc.sigma_drawn
+        assert acc.counts.sigma_run == acc.counts.sigma_drawn
         assert torch.equal(ran.float(), drawn.float())
     else:
         assert (ran < drawn).all()  # both shifts lower σ for a smaller latent
@@ -195,11 +197,11 @@ def test_interpolated_ids_span_the_native_extent_in_the_routed_forward_only(posi
 
 def test_step_options_reject_what_they_cannot_do():
     with pytest.raises(ValueError, match="loss_module"):
-        StepOptions(direction_loss_weight=0.1)
-    with pytest.raises(ValueError, match="direction_loss_weight"):
-        StepOptions(direction_loss_weight=-1.0, loss_module=lab_trainer)
-    with pytest.raises(ValueError, match="sigma_policy: 'shift' is not allowed"):
-        StepOptions(sigma_policy="shift")
+        StepOptions(FasterDitConfig(direction_loss_weight=0.1))
+    with pytest.raises(ValueError, match="direction_loss_weight: -1.0 must be a finite number >= 0"):
+        StepOptions(FasterDitConfig(direction_loss_weight=-1.0), loss_module=lab_trainer)
+    with pytest.raises(ValueError, match=r"sigma_policy: 'shift' is not allowed \(allowed: keep, res_shift, snr_match\)"):
+        StepOptions(FasterDitConfig(sigma_policy="shift"))
     with pytest.raises(ValueError, match="not available for sd3"):
         StepOptions.from_config(load_config(table={"routes": [ALL_ROUTED], "positions": "interpolate"}), positions_arch=get_arch("sd3"))
 
@@ -210,6 +212,6 @@ def test_hook_without_process_batch_is_refused_when_the_term_is_on():
 
         def generate_step_logs(self, *a): ...
 
-    hook = DownscaleHook(None, None, options=StepOptions(direction_loss_weight=0.1, loss_module=lab_trainer))
+    hook = DownscaleHook(None, None, options=StepOptions(FasterDitConfig(direction_loss_weight=0.1), loss_module=lab_trainer))
     with pytest.raises(AttributeError, match="process_batch"):
         hook.install(Bare(), Patches())

@@ -262,13 +262,17 @@ def test_fasterdit_keys_reach_the_flux_step_through_network_args(decisions, inst
     argv = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "2", "--seed", "3")
     trainer = run_double("flux", *argv, "--network_args", "ds_direction_loss_weight=0.5", *FASTERDIT, downscale=ALL_ROUTED)
     run, state = trainer.last_run, trainer.last_run.network.downscale_run
-    assert (state.cfg.direction_loss_weight, state.cfg.sigma_policy, state.cfg.positions) == (0.5, "res_shift", "interpolate")
+    assert (state.cfg.fasterdit.direction_loss_weight, state.cfg.fasterdit.sigma_policy, state.cfg.fasterdit.positions) == (
+        0.5,
+        "res_shift",
+        "interpolate",
+    )
     assert all("process_batch" in attributes for attributes in during)
     assert len(decisions) == len(run.unet.calls) == 2
     for decision, call in zip(decisions, run.unet.calls, strict=True):  # 16 of 64 tokens: k = √(16/64)
         torch.testing.assert_close(call["t"].double(), shift_sigma(decision.sigmas.double(), 0.5), atol=1e-6, rtol=0)
         assert sorted(set(call["img_ids"][..., 1].flatten().tolist())) == [0.0, 2.0, 4.0, 6.0]  # 4 rows at the native pitch
-    assert state.accounting.sigma_run < state.accounting.sigma_drawn
+    assert state.accounting.counts.sigma_run < state.accounting.counts.sigma_drawn
     meta = json.loads(state.metadata()["ss_downscale_fasterdit"])
     assert meta == {
         "direction_loss_weight": 0.5,
@@ -339,7 +343,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
                     "t": [c["t"] for c in run.unet.calls],
                     "local": state.accounting.total_steps,
                     "total": state.totals.total_steps,
-                    "resampled": (state.accounting.resampled, state.totals.resampled),
+                    "resampled": (state.accounting.counts.resampled, state.totals.counts.resampled),
                     "tracked": [r[1] for r in run.accelerator.trackers[0].records] if run.accelerator.trackers else None,
                 },
                 os.path.join(out_dir, f"rank{rank}.pt"),

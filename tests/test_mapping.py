@@ -293,9 +293,9 @@ def test_tiny_lab_map_end_to_end(tiny_lab, tmp_path):
     assert "latent_0.5" in table and "pixel_0.75" in table and "over the re-encode control" in table
     assert "latent_0.5@res_shift+interp" in (tmp_path / "windows.toml").read_text()  # listed, not a route there
     variant = load_config(plugin_toml=toml.load(paths["toml@res_shift+interp"]))
-    assert (variant.sigma_policy, variant.positions) == ("res_shift", "interpolate") and paths["toml@res_shift+interp"].endswith(
-        "windows@res_shift+interp.toml"
-    )
+    assert (variant.fasterdit.sigma_policy, variant.fasterdit.positions) == ("res_shift", "interpolate") and paths[
+        "toml@res_shift+interp"
+    ].endswith("windows@res_shift+interp.toml")
     assert all((tmp_path / name).stat().st_size > 0 for name in ("windows.toml", "map.csv", "map.json", "map.png"))
 
 
@@ -373,9 +373,11 @@ def test_excess_over_reenc_is_the_paired_difference():
     assert [w.arm for w in stack_windows(result).windows] == [route.name]
     text = windows_toml(result)
     assert f"#   {variant.name}: (0, 1]" in text and "#   reenc" not in text
-    assert load_config(plugin_toml=toml.loads(text)).sigma_policy == "keep"
+    assert load_config(plugin_toml=toml.loads(text)).fasterdit.sigma_policy == "keep"
     cfg = load_config(plugin_toml=toml.loads(windows_toml(result, setting=variant.setting)))
-    assert cfg.sigma_policy == "res_shift" and [(r.label, r.sigma_min, r.sigma_max) for r in cfg.routes] == [("1024:768", 0.0, None)]
+    assert cfg.fasterdit.sigma_policy == "res_shift" and [(r.label, r.sigma_min, r.sigma_max) for r in cfg.routes] == [
+        ("1024:768", 0.0, None)
+    ]
 
 
 def _spy(model):

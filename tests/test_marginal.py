@@ -19,13 +19,13 @@ The default run has a statistical smoke; the full grid is ``-m marginal`` (pypro
 from __future__ import annotations
 
 import math
-import multiprocessing
 from itertools import product
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
+from selected_cases import run_selected_cases
 
 from downscale_plugin.config import RouteRule, load_config
 from downscale_plugin.plan import plan_table
@@ -168,21 +168,9 @@ def _grid_case(case: tuple[str, float, int]) -> dict:
 
 @pytest.fixture(scope="module")
 def grid_runs(request):
-    """Every selected grid case, run once, on both cores where the platform can fork (largest first)."""
-    wanted = sorted(
-        {
-            (item.callspec.params["name"], item.callspec.params["mass"], item.callspec.params["batch"])
-            for item in request.session.items
-            if getattr(item, "originalname", None) == "test_marginal_grid"
-        },
-        key=lambda c: (-steps_for(c[1]) * (1 + c[2] / 8), c),
-    )
-    if "fork" in multiprocessing.get_all_start_methods() and len(wanted) > 1:
-        with multiprocessing.get_context("fork").Pool(2) as pool:
-            results = pool.map(_grid_case, wanted, chunksize=1)
-    else:
-        results = [_grid_case(c) for c in wanted]
-    return dict(zip(wanted, results, strict=True))
+    """Every selected grid case, run once (largest first)."""
+    order = lambda c: (-steps_for(c[1]) * (1 + c[2] / 8), c)  # noqa: E731
+    return run_selected_cases(request, "test_marginal_grid", ("name", "mass", "batch"), _grid_case, order)
 
 
 @pytest.mark.marginal

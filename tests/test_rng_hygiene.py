@@ -100,10 +100,10 @@ def test_a_whole_train_run_never_reseeds_or_rewinds_a_global_generator(arch, rng
     argv = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "8", "--seed", "4", *noise)
     low, high = THIRD[FAMILIES[arch]]
     run = seeded_run(arch, *argv, downscale={"routes": [{"scale": 0.5, "sigma_min": low, "sigma_max": high}]}).last_run
-    counts = run.network.downscale_run.accounting
+    accounting = run.network.downscale_run.accounting
     assert rng_trap.violations == [], rng_trap.report()
     assert sd_scripts_start.PLAN_MC_SAMPLES in samples  # the banner's plan Monte Carlo ran under the trap
-    assert counts.total_steps == 8 and 0 < counts.steps[-1] < 8  # routed and native steps both ran under the trap
+    assert accounting.total_steps == 8 and 0 < accounting.counts.steps[-1] < 8  # routed and native steps both ran under the trap
     assert rng_trap.restores >= 3 * 9 and rng_trap.seeded >= 1  # CPU, random, NumPy of every step's fork and the plan's; its seed
 
 

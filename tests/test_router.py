@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import math
-import multiprocessing
 import random
 
 import numpy as np
 import pytest
 import torch
 from scipy import stats
+from selected_cases import run_selected_cases
 
 from downscale_plugin.config import DownscaleConfig, RouteRule, Span, parse_span
 from downscale_plugin.router import Router, candidate_rounds
@@ -320,6 +320,32 @@ def test_exhaustion_with_a_law_fills_from_the_exact_conditional():
     assert decision.sources.max() >= 4 + 4  # law draws come after the host's batch and the round of 4 (no lead with a law)
 
 
+def test_a_law_that_is_not_the_hosts_runs_the_hosts_own_step_natively():
+    """A law whose conditional draws never land in the chosen category (here: a law for another
+    window) cannot fill the step: it runs the host's own σ natively, counted as ``other``, instead
+    of stopping the run."""
+
+    class OffLaw:  # P(c) of the real law, but conditional draws from far outside every window
+        def __init__(self, real):
+            self.real = real
+
+        def masses(self, classify, edges):
+            return self.real.masses(classify, edges)
+
+        def draw(self, n, category, classify, edges, generator):
+            return torch.full((n,), 0.01)
+
+    top = RouteRule(0.9, None, scale=0.5)
+    router = Router((top,), "flux", seed=21, max_tries=1)
+    law = OffLaw(SAMPLERS["uniform"].law(HW))
+    torch.manual_seed(0)
+    recorder = Recorder(SAMPLERS["uniform"])
+    decisions = [router.route(recorder, 4, HW, step, law=law) for step in range(1, 400)]
+    broken = [d for d in decisions if d.fallback == "other"]
+    assert broken and all(not d.routed and d.rule is None and d.filled == 0 for d in broken)
+    assert all(d.fallback in (None, "other") for d in decisions)  # never a partly filled step
+
+
 def test_sources_index_every_samples_own_draw():
     recorder = Recorder(SAMPLERS["sigmoid"])
     router = Router(STACK, "flux", seed=3)
@@ -485,21 +511,9 @@ def _coupled_run(case: tuple[str, int]) -> dict:
 
 @pytest.fixture(scope="module")
 def coupled_runs(request):
-    """Run every selected (sampler, B) case once, on both cores where the platform can fork."""
-    wanted = sorted(
-        {
-            (item.callspec.params["mode"], item.callspec.params["batch"])
-            for item in request.session.items
-            if getattr(item, "originalname", None) == "test_coupled_gate_keeps_host_marginal"
-        },
-        key=lambda c: ({2: 0, 1: 1, 4: 1, 8: 2}[c[1]], c),  # slowest first, for an even split
-    )
-    if "fork" in multiprocessing.get_all_start_methods() and len(wanted) > 1:
-        with multiprocessing.get_context("fork").Pool(2) as pool:
-            results = pool.map(_coupled_run, wanted, chunksize=1)
-    else:
-        results = [_coupled_run(c) for c in wanted]
-    return dict(zip(wanted, results, strict=True))
+    """Run every selected (sampler, B) case once (slowest first)."""
+    order = lambda c: ({2: 0, 1: 1, 4: 1, 8: 2}[c[1]], c)  # noqa: E731
+    return run_selected_cases(request, "test_coupled_gate_keeps_host_marginal", ("mode", "batch"), _coupled_run, order)
 
 
 @pytest.mark.parametrize("batch", BATCHES, ids=lambda b: f"B{b}")

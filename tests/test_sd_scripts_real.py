@@ -319,8 +319,8 @@ def test_fasterdit_options_on_the_real_flux_trainer(monkeypatch):
     term = (1 - torch.nn.functional.cosine_similarity(pred, target, dim=1)).mean()
     torch.testing.assert_close(losses[0] - losses[1], 0.5 * term, rtol=1e-4, atol=1e-6)
     accounting = setup.network.downscale_run.accounting
-    assert accounting.sigma_run == pytest.approx(float(routed_sigma), abs=1e-6)
-    assert accounting.sigma_drawn == pytest.approx(float(setup.sigma()), abs=1e-6)
+    assert accounting.counts.sigma_run == pytest.approx(float(routed_sigma), abs=1e-6)
+    assert accounting.counts.sigma_drawn == pytest.approx(float(setup.sigma()), abs=1e-6)
 
 
 def test_patched_host_uses_the_explicit_call_points(tmp_path):

@@ -96,7 +96,7 @@ class LabPlugin:
             self.plan.probs,
             predicted_flop_saving=self.plan.flop_saving,
             token_values=Accounting.vocabulary(self.buckets, self.cfg.routes, self.arch, self.cfg.tier_tolerance),
-            sigma_policy=self.cfg.sigma_policy,
+            sigma_policy=self.cfg.fasterdit.sigma_policy,
         )
         options = StepOptions.from_config(self.cfg, loss_module=lab_trainer, positions_arch=LAB_ARCH, positions_module=flux_utils)
         hook = DownscaleHook(

@@ -35,7 +35,7 @@ from typing import Any, NamedTuple
 import torch
 
 from ...arch import ArchSpec
-from ...config import POSITIONS, SIGMA_POLICIES, DownscaleConfig
+from ...config import DownscaleConfig, FasterDitConfig
 from ...fasterdit.direction_loss import direction_loss_scope
 from ...fasterdit.policies import RunningStd, make_policy
 from ...fasterdit.positions import positions_scope, require_interpolate
@@ -52,7 +52,8 @@ LOSS_METHOD = "process_batch"  # wrapped only when direction_loss_weight > 0
 
 @dataclass(frozen=True)
 class StepOptions:
-    """A run's FasterDiT options, bound to the host handles they replace.
+    """A run's FasterDiT settings (checked by :class:`FasterDitConfig` itself), bound to the host
+    handles they replace.
 
     ``loss_module``: the module whose ``conditional_loss`` the trainer's ``process_batch`` calls
     (sd-scripts' ``library.train_util``, ``downscale_plugin.lab.trainer``); needed when λ > 0.
@@ -61,32 +62,28 @@ class StepOptions:
     ``hunyuan_image_utils``; Lumina and Anima use the unwrapped denoiser); needed for ``interpolate``.
     """
 
-    direction_loss_weight: float = 0.0
-    direction_loss_only_routed: bool = False
-    sigma_policy: str = "keep"
-    positions: str = "plain"
+    settings: FasterDitConfig = FasterDitConfig()
     loss_module: Any = None
     positions_arch: ArchSpec | None = None
     positions_module: Any = None
 
     def __post_init__(self) -> None:
-        if not self.direction_loss_weight >= 0:
-            raise ValueError(f"direction_loss_weight: {self.direction_loss_weight} must be >= 0")
-        if self.direction_loss_weight and self.loss_module is None:
+        if self.settings.direction_loss_weight and self.loss_module is None:
             raise ValueError("direction_loss_weight > 0 needs loss_module, the module holding the trainer's conditional_loss")
-        if self.sigma_policy not in SIGMA_POLICIES:
-            raise ValueError(f"sigma_policy: {self.sigma_policy!r} is not allowed (allowed: {', '.join(SIGMA_POLICIES)})")
-        if self.positions not in POSITIONS:
-            raise ValueError(f"positions: {self.positions!r} is not allowed (allowed: {', '.join(POSITIONS)})")
-        if self.positions == "interpolate":
+        if self.settings.positions == "interpolate":
             if self.positions_arch is None:
                 raise ValueError("positions = 'interpolate' needs positions_arch, the architecture whose position handle it scales")
             require_interpolate(self.positions_arch)
 
     @classmethod
     def from_config(cls, cfg: DownscaleConfig, **handles: Any) -> StepOptions:
-        """The config's four FasterDiT keys plus the host's ``handles`` (keyword fields above)."""
-        return cls(cfg.direction_loss_weight, cfg.direction_loss_only_routed, cfg.sigma_policy, cfg.positions, **handles)
+        """The config's FasterDiT settings plus the host's ``handles`` (keyword fields above)."""
+        return cls(cfg.fasterdit, **handles)
+
+
+def at_grid(latents: torch.Tensor, hw: tuple[int, int] | None) -> torch.Tensor:
+    """The latents at grid ``hw``, area-downsampled (None or the latents' own grid: as given)."""
+    return latents if hw is None or tuple(hw) == tuple(latents.shape[-2:]) else area_downsample(latents, hw)
 
 
 class HostCall(NamedTuple):
@@ -127,7 +124,7 @@ class DownscaleHook:
         self.router = router
         self.family = family
         self.options = options if options is not None else StepOptions()
-        self.stds = RunningStd() if self.options.sigma_policy == "snr_match" else None
+        self.stds = RunningStd() if self.options.settings.sigma_policy == "snr_match" else None
         self.rank = rank
         self.world_size = world_size
         self.on_step = on_step
@@ -162,7 +159,7 @@ class DownscaleHook:
 
     def install_loss(self, trainer: Any, patches: Patches) -> None:
         """Wrap ``process_batch`` for the direction loss (λ > 0 only; a patched host's call points cover the rest)."""
-        weight = self.options.direction_loss_weight
+        weight = self.options.settings.direction_loss_weight
         if not weight:
             return
         original = getattr(trainer, LOSS_METHOD, None)
@@ -170,7 +167,7 @@ class DownscaleHook:
             raise AttributeError(f"trainer {type(trainer).__name__} has no {LOSS_METHOD}(..., is_train): unsupported host revision")
         signature = inspect.signature(original)
         module = self.options.loss_module
-        gate = self._routed if self.options.direction_loss_only_routed else None
+        gate = self._routed if self.options.settings.direction_loss_only_routed else None
 
         def process_batch(*args: Any, **kwargs: Any) -> Any:
             call = signature.bind(*args, **kwargs)
@@ -203,10 +200,25 @@ class DownscaleHook:
         if not decision.needs_replay:
             self._observe(decision, native_hw, run_hw, decision.sigmas)
             return original(*call, is_train=True)
-        small = area_downsample(latents, run_hw) if decision.routed else latents
+        small = at_grid(latents, run_hw)
         sigmas, positions = self.run_sigmas(decision, sampler, call.noise_scheduler, latents, small)
         self._observe(decision, native_hw, run_hw, sigmas)
-        with sampler.replay(positions), self._positions(decision, call.accelerator, call.unet, native_hw, run_hw):
+        return self.run_host(
+            original, call, sampler, small, positions, self._positions(decision, call.accelerator, call.unet, native_hw, run_hw)
+        )
+
+    @staticmethod
+    def run_host(
+        original: Callable,
+        call: HostCall,
+        sampler: BoundSampler,
+        small: torch.Tensor,
+        positions: torch.Tensor,
+        scope: AbstractContextManager,
+    ) -> Any:
+        """Run the host's own train step on ``small`` latents with σ replayed from the sampler pool's
+        ``positions``: the one way a routed train step and a map arm (map.py) run the host at a grid and σ."""
+        with sampler.replay(positions), scope:
             return original(*call._replace(latents=small), is_train=True)
 
     def _observe(self, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int], sigmas: torch.Tensor) -> None:
@@ -218,7 +230,7 @@ class DownscaleHook:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The σ a step runs at and their pool positions for the replay: the decision's own samples
         (by position, router.py ``sources``), or on a routed step the policy's map of them, registered."""
-        name = self.options.sigma_policy
+        name = self.options.settings.sigma_policy
         if name == "keep" or not decision.routed:
             return decision.sigmas, decision.source_index
         stds = self.stds.update(native, small) if self.stds is not None else (None, None)
@@ -233,7 +245,7 @@ class DownscaleHook:
     def _positions(
         self, decision: RouteDecision, accelerator: Any, unet: Any, native_hw: tuple[int, int], run_hw: tuple[int, int]
     ) -> AbstractContextManager:
-        if self.options.positions == "plain" or not decision.routed:
+        if self.options.settings.positions == "plain" or not decision.routed:
             return nullcontext()
         model = accelerator.unwrap_model(unet) if unet is not None else None
         return positions_scope(self.options.positions_arch, native_hw, run_hw, model=model, module=self.options.positions_module)

@@ -36,7 +36,7 @@ import os
 import sys
 import time
 from collections.abc import Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from typing import Any
 
 import toml
@@ -45,15 +45,16 @@ import torch
 from ...arch import get_arch
 from ...bins import parse_bins
 from ...config import VAE_ARM_KEYS, load_config
-from ...grid import area_downsample, target_grid
+from ...grid import target_grid
 from ...mapping.arms import build_arms
 from ...plan import format_plan
 from ...rng import accelerator_devices, forked
 from ...scope import Patches
+from ...text import route_rows
 from .buckets import DatasetBuckets
 from .facts import VAE_ARCHS, HostError, TrainerArch
 from .families import SamplerFamily
-from .hook import DownscaleHook, HostCall
+from .hook import DownscaleHook, HostCall, at_grid
 from .map_backend import HostVae, SdScriptsBackend, split_batch
 from .run import DownscaleRun
 from .trainer import TrainerContext
@@ -86,9 +87,7 @@ class MapHook(DownscaleHook):
         with forked(accelerator_devices(device)):
             sampler.first()  # records the host's output dtypes for the replay
         keys = self.family.remember(sampler, call.noise_scheduler, torch.tensor([sigma], dtype=torch.float64))
-        small = call.latents if target_hw is None else area_downsample(call.latents, target_hw)
-        with sampler.replay(keys):
-            return original(*call._replace(latents=small), is_train=True)
+        return self.run_host(original, call, sampler, at_grid(call.latents, target_hw), keys, nullcontext())
 
 
 class MapSession:
@@ -102,14 +101,14 @@ class MapSession:
 
         cfg = run.cfg
         self.run, self.ctx, self.family, self.buckets, self.record = run, ctx, family, buckets, record
-        self.arms = build_arms(cfg.map_ratios, pixel=cfg.map_pixel, reenc=cfg.map_reenc)
-        self.bins = parse_bins(cfg.map_bins)
+        self.arms = build_arms(cfg.map.ratios, pixel=cfg.map.pixel, reenc=cfg.map.reenc)
+        self.bins = parse_bins(cfg.map.bins)
         self.settings = MapSettings(
-            margin=cfg.map_margin, draws=cfg.map_draws, images=cfg.map_images, seed=run.seed, simultaneous=cfg.map_simultaneous
+            margin=cfg.map.margin, draws=cfg.map.draws, images=cfg.map.images, seed=run.seed, simultaneous=cfg.map.simultaneous
         )
-        self.out_dir = os.path.abspath(cfg.map_out)
+        self.out_dir = os.path.abspath(cfg.map.out)
         self.devices = accelerator_devices(ctx.accelerator.device)
-        self.batches_needed = math.ceil(cfg.map_images / max(buckets.batch_size, 1))
+        self.batches_needed = math.ceil(cfg.map.images / max(buckets.batch_size, 1))
         problems = self.problems()
         if problems:
             raise HostError('mode = "map":\n  - ' + "\n  - ".join(problems))
@@ -131,7 +130,7 @@ class MapSession:
             problems += [
                 f"{key}: the VAE arms are not supported for {run.arch} (supported: {', '.join(VAE_ARCHS)}); set {key} = false"
                 for key in VAE_ARM_KEYS
-                if getattr(cfg, key)
+                if getattr(cfg.map, key.removeprefix("map_"))
             ]
         try:
             check_inputs(self.arms, self.bins, self.settings)
@@ -139,7 +138,7 @@ class MapSession:
             problems += err.problems
         spec = get_arch(run.arch)
         for h, w in self.buckets.latent_buckets:
-            bad = [r for r in cfg.map_ratios if target_grid((h, w), r, spec) is None]
+            bad = [r for r in cfg.map.ratios if target_grid((h, w), r, spec) is None]
             if bad:
                 problems.append(
                     f"map_ratios: {', '.join(f'{r:g}' for r in bad)} give no strictly smaller {spec.name} grid (multiple {spec.multiple}) "
@@ -148,7 +147,7 @@ class MapSession:
         forwards = int(args.max_train_steps) * int(getattr(args, "gradient_accumulation_steps", 1) or 1)
         if forwards < self.batches_needed:
             problems.append(
-                f"map_images: {cfg.map_images} probes need {self.batches_needed} train batches of {self.buckets.batch_size}, "
+                f"map_images: {cfg.map.images} probes need {self.batches_needed} train batches of {self.buckets.batch_size}, "
                 f"but the run has {forwards}; lower map_images or raise --max_train_steps"
             )
         return problems
@@ -301,7 +300,7 @@ class MapSession:
                 "windows": [f"{w.arm} {w.text()}" for w in stack_windows(result).windows],
                 "before_train_batch": self.batches,
                 "probes": s.images,
-                "ratios": list(run.cfg.map_ratios),
+                "ratios": list(run.cfg.map.ratios),
                 "bins": self.bins.spec(),
                 "draws": s.draws,
                 "margin": s.margin,
@@ -314,7 +313,7 @@ class MapSession:
                 'downscale_plugin: after_map = "train": no route has a safe window at margin %g; training continues native', s.margin
             )
             return
-        rules = "\n".join(f"  r{i} {r.label} {r.window_text()}" for i, r in enumerate(cfg.routes))
+        rules = "\n".join(f"  {row}".rstrip() for row in route_rows(cfg.routes))
         logger.info(
             'downscale_plugin: after_map = "train": training continues from batch %d with the derived windows (%s)\n%s',
             self.batches,

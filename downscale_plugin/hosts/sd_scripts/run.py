@@ -7,6 +7,7 @@ collective would deadlock), and only the main process logs.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import json
 import logging
@@ -19,7 +20,7 @@ from typing import Any
 import torch
 
 from ... import __version__
-from ...accounting import Accounting, StepRecord
+from ...accounting import Accounting, Counts, StepRecord
 from ...config import DownscaleConfig, RouteRule
 from ...plan import Plan
 from ...router import RouteDecision, Router
@@ -28,7 +29,6 @@ from .resume import read_host_state
 
 logger = logging.getLogger(__name__)
 
-FASTERDIT_KEYS = ("direction_loss_weight", "direction_loss_only_routed", "sigma_policy", "positions")
 COUNTS_FILE = "downscale_plugin_counts.json"  # beside the host's train_state.json in every --save_state dir
 
 
@@ -79,12 +79,9 @@ def _rule_dict(rule: RouteRule) -> dict[str, Any]:
 
 def carry_native(old: Accounting, new: Accounting) -> None:
     """Count the native steps before the map (an accounting without routes) in ``new`` (native: its last slot)."""
-    state = old.state()
     pad = len(new.rules) - len(old.rules)
-    for key in ("steps", "samples", "loss_sum", "loss_count"):
-        state[key] = [0.0] * pad + state[key]
-    state["window"] = [(0.0, 0.0)] * pad + state["window"]
-    new.merge(state)
+    state = old.state()
+    new.merge({**state, **old.counts.padded(pad).state(), "window": [(0.0, 0.0)] * pad + state["window"]})
 
 
 @dataclass(frozen=True)
@@ -194,6 +191,14 @@ class DownscaleRun:
             return
         self._pending = None
         counts = dict(saved["counts"])
+        missing = [f.name for f in dataclasses.fields(Counts) if f.name not in counts]
+        if missing:
+            logger.warning(
+                "downscale_plugin: the counts in %s lack %s (saved by another plugin version): the summary counts this run only",
+                source or "the resumed state",
+                ", ".join(missing),
+            )
+            return
         counts["window"] = [(0.0, 0.0)] * len(counts["steps"])  # the recent-loss windows restart with the run
         self.accounting.merge(counts)
         logger.info("downscale_plugin: restored the counts of %.0f earlier train forwards", sum(counts["steps"]))
@@ -230,13 +235,13 @@ class DownscaleRun:
         counts = {
             "forwards": totals.total_steps,
             "routes": {("native" if i < 0 else f"r{i} {self.cfg.routes[i].label}"): f for i, f in totals.fractions().items()},
-            "fallbacks": totals.fallbacks,
+            "fallbacks": totals.counts.fallbacks,
             "token_saving": totals.token_saving(),
             "flop_saving": totals.flop_saving(),
         }
         routed = totals.routed_samples
         if routed:
-            counts["routed_sigma_mean"] = {"drawn": totals.sigma_drawn / routed, "run": totals.sigma_run / routed}
+            counts["routed_sigma_mean"] = {"drawn": totals.counts.sigma_drawn / routed, "run": totals.counts.sigma_run / routed}
         return {
             "ss_downscale_version": version(),
             "ss_downscale_inner": self.inner,
@@ -245,6 +250,6 @@ class DownscaleRun:
             "ss_downscale_seed": str(self.seed),
             "ss_downscale_routes": json.dumps([_rule_dict(r) for r in self.cfg.routes]),
             "ss_downscale_counts": json.dumps(counts),
-            "ss_downscale_fasterdit": json.dumps({key: getattr(self.cfg, key) for key in FASTERDIT_KEYS}),
+            "ss_downscale_fasterdit": json.dumps(dataclasses.asdict(self.cfg.fasterdit)),
             **self.extra_metadata,
         }

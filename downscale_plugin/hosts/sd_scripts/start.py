@@ -24,6 +24,7 @@ collective would deadlock), and only the main process logs.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,13 +38,14 @@ from ...plan import Plan, format_plan, plan_table
 from ...rng import accelerator_devices, forked, seed_forked
 from ...router import RouteDecision, Router
 from ...scope import Patches
+from ...text import route_rows
 from ..kohya import plugin_config
 from .buckets import DatasetBuckets, dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
 from .families import GRID_DEPENDENT_MODES, SamplerFamily
 from .hook import DownscaleHook
 from .resume import HostResume, banner_line
-from .run import FASTERDIT_KEYS, DownscaleRun, Routing, show, version
+from .run import DownscaleRun, Routing, show, version
 from .trainer import TrainerContext, detect_arch, find_trainer, make_family, step_options
 
 logger = logging.getLogger(__name__)
@@ -178,7 +180,7 @@ def routing(
         plan.probs if plan else None,
         predicted_flop_saving=plan.flop_saving if plan else None,
         token_values=Accounting.vocabulary(buckets.latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
-        sigma_policy=cfg.sigma_policy,
+        sigma_policy=cfg.fasterdit.sigma_policy,
     )
     return Routing(router, plan, accounting)
 
@@ -231,12 +233,12 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         head = (
             f"downscale_plugin {version()}: {arch} ({type(ctx.trainer).__name__}), inner network {inner}, gate {cfg.gate}, "
             f"seed {seed}, {world} process(es); σ from {_sampler_text(record, args)}; "
-            + ", ".join(f"{key} {getattr(cfg, key)}" for key in FASTERDIT_KEYS)
+            + ", ".join(f"{key} {value}" for key, value in dataclasses.asdict(cfg.fasterdit).items())
         )
         resumed = banner_line(args)
         if resumed:
             head += "\n" + resumed
-        rules = "\n".join(f"  r{i} {r.label} {r.window_text()} {r.span or ''}" for i, r in enumerate(cfg.routes))
+        rules = "\n".join(f"  {row}".rstrip() for row in route_rows(cfg.routes))
         show(f"{head}\n{session.banner() if session else format_plan(plan) if plan else rules}", "start banner")
     network.downscale_run = run
     return run

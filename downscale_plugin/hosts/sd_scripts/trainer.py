@@ -88,9 +88,9 @@ def _handle_module(arch: str, name: str, attr: str) -> ModuleType:
 def step_options(cfg: DownscaleConfig, record: TrainerArch) -> StepOptions:
     """The run's FasterDiT options bound to this host's handles (imported only when an option needs them)."""
     handles: dict[str, Any] = {}
-    if cfg.direction_loss_weight:
+    if cfg.fasterdit.direction_loss_weight:
         handles["loss_module"] = _handle_module(record.arch, *LOSS_HANDLE)
-    if cfg.positions == "interpolate":
+    if cfg.fasterdit.positions == "interpolate":
         handles["positions_arch"] = get_arch(record.arch)
         if record.positions_handle is not None:
             handles["positions_module"] = _handle_module(record.arch, *record.positions_handle)

@@ -99,6 +99,7 @@ class PlanInputs:
     batch_size: int
     total_forwards: int
     knobs: tuple[str, ...]  # the host knobs to echo (HostArgs.text)
+    flop_model: Any = None  # the run's FLOP model (None: the architecture's preset)
 
 
 @dataclass(frozen=True)
@@ -266,8 +267,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         print(f"{path}: routing is off (enable = false): every step runs native")
         return 0
     plan = plan_table(
-        cfg, arch, inputs.sampler, inputs.buckets, inputs.batch_size, inputs.weights, total_forwards=inputs.total_forwards,
-        mc_samples=args.mc_samples,
+        cfg, arch, inputs.sampler, inputs.buckets, inputs.batch_size, inputs.weights, flop_model=inputs.flop_model,
+        total_forwards=inputs.total_forwards, mc_samples=args.mc_samples,
     )  # fmt: skip
     print(f"config: {path} (sources: {', '.join(cfg.sources)})")
     print(f"host: {knobs.text(inputs.knobs)}")
@@ -276,10 +277,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         total = inputs.total_forwards
         print(f"spans over {total} train forwards" if total else "spans: as fractions of the run (max_train_steps not given)")
     m = plan.flop_model
-    print(
-        f"FLOP model: {arch}: hidden {m.hidden}, depth {m.depth}, mlp {m.mlp_ratio:g}, text tokens {m.text_tokens}"
-        + ("" if m.attention else ", linear only")
-    )
+    print(f"FLOP model: {arch}: {m.describe()}")
     print(format_plan(plan, inputs.sampler_text))
     return 0
 

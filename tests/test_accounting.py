@@ -4,7 +4,6 @@ import pytest
 import torch
 
 from downscale_plugin.accounting import Accounting, Counts, StepRecord
-from downscale_plugin.arch import ARCHS
 from downscale_plugin.config import RouteRule
 from downscale_plugin.flops import FlopModel, predicted_saving
 from downscale_plugin.plan import route_histogram
@@ -31,14 +30,6 @@ def test_flop_model_coefficients_come_from_the_shape():
         n = n_img + 7
         assert m.flops(n_img) == pytest.approx(2 * 3 * _macs_per_block(n, 64, 4.0))
     assert FlopModel(64, 3, attention=False).flops(100) == pytest.approx(FlopModel(64, 3).a * 100)
-
-
-def test_flux_preset_is_57_blocks_of_3072():
-    m = ARCHS["flux"].flops
-    assert (m.hidden, m.depth, m.text_tokens) == (3072, 57, 512)
-    assert m.a == 2 * 57 * 3072**2 * 12
-    assert all(spec.flops is not None for spec in ARCHS.values())
-    assert ARCHS["sdxl"].flops.b == 0 and ARCHS["sd1"].flops.b == 0
 
 
 def test_predicted_saving_of_a_known_histogram():

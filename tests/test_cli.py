@@ -195,6 +195,19 @@ def test_plan_prints_the_probabilities(tmp_path, capsys):
     assert "FLOPs saved" in out and "never routing" not in out
 
 
+def test_plan_counts_the_runs_own_text_length(tmp_path, capsys):
+    """A run with short T5 captions spends less of its step on text, so routing saves more of it:
+    ``plan`` builds the FLOP model from the training TOML's own t5xxl_max_token_length."""
+
+    def flop_saving(extra: str) -> float:
+        path = _write(tmp_path, "train.toml", TRAIN.replace("[training]\n", "[training]\n    " + extra))
+        code, out, err = _run(capsys, "plan", "--config_file", path, "--arch", "flux")
+        assert code == 0, err
+        return float(out.split("FLOPs saved ")[1].split(" %")[0])
+
+    assert flop_saving("t5xxl_max_token_length = 32\n") > flop_saving("t5xxl_max_token_length = 512\n")
+
+
 def test_plan_flags_override_the_toml_and_buckets(tmp_path, capsys):
     path = _write(tmp_path, "train.toml", TRAIN)
     argv = ["plan", "--config_file", path, "--arch", "flux", "--batch_size", "4", "--timestep_sampling", "uniform"]

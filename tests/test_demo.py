@@ -21,3 +21,54 @@ def test_demo_quick_trains_both_adapters_and_reports(tmp_path, monkeypatch, caps
     cosine = float(re.search(r"cosine of ΔW to the native adapter\s+1\s+(-?[\d.]+)", out).group(1))
     assert -1.0 <= cosine < 1.0  # routed steps trained a different adapter
     assert "12 train forwards" in out and "token histogram" in out
+
+
+def test_validation_points_leave_the_run_and_the_global_generators_as_they_were():
+    """The demo's picture: native-grid validation loss against training seconds. Validating between
+    steps must change nothing the table reports but time: the same losses, the same adapter, the same
+    global RNG afterwards, and no validation call may move a global generator."""
+    import torch
+    from rng_trap import rng_states
+
+    from downscale_plugin.lab.data import LabData, LabDataConfig
+    from downscale_plugin.lab.model import LabModelConfig, build_model
+    from downscale_plugin.lab.trainer import native_validation_loss, train_lora
+
+    cfg = LabModelConfig(
+        hidden_size=32, num_heads=2, double_layers=1, single_layers=1, latent_channels=4, text_tokens=4, text_dim=16, pooled_dim=8
+    )
+    data = LabData(LabDataConfig(buckets=((64, 64), (64, 96)), latent_channels=cfg.latent_channels))
+    model = build_model(cfg, seed=0)
+    val_set = data.validation_set(per_bucket=1, seed=0)
+    moved = []
+
+    def validate(deltas):
+        before = rng_states()
+        loss = native_validation_loss(model, deltas, val_set, 0)
+        moved.append(not all(_same(a, b) for a, b in zip(before, rng_states(), strict=True)))
+        return loss
+
+    runs = []
+    for kwargs in ({}, {"validate": validate, "validate_every": 2}):
+        result = train_lora(model, data, steps=5, lr=1e-2, rank=2, seed=3, **kwargs)
+        runs.append((result, rng_states()))
+    (plain, plain_rng), (validated, validated_rng) = runs
+    assert plain.losses == validated.losses and plain.val_curve == []
+    assert all(torch.equal(plain.deltas[k], validated.deltas[k]) for k in plain.deltas)
+    assert all(_same(a, b) for a, b in zip(plain_rng, validated_rng, strict=True)) and not any(moved)
+    assert [steps for _, steps, _ in validated.val_curve] == [0, 2, 4, 5]
+    seconds = [s for s, _, _ in validated.val_curve]
+    assert seconds[0] == 0.0 and seconds == sorted(seconds) and seconds[-1] == validated.wall_time
+    assert validated.val_curve[-1][2] == native_validation_loss(model, validated.deltas, val_set, 0)
+    assert validated.val_curve[0][2] == native_validation_loss(model, None, val_set, 0)  # ΔW = 0 before the first step
+
+
+def _same(a, b) -> bool:
+    import numpy as np
+    import torch
+
+    if isinstance(a, torch.Tensor):
+        return torch.equal(a, b)
+    if isinstance(a, tuple) and len(a) > 1 and isinstance(a[1], np.ndarray):  # NumPy's (name, keys, pos, …)
+        return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b, strict=True))
+    return a == b

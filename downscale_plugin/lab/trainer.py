@@ -244,13 +244,15 @@ def delta_cosine(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> floa
 
 @dataclass
 class LoraResult:
-    """What a lab LoRA run leaves: adapter deltas, per-step losses and compute times, step logs."""
+    """What a lab LoRA run leaves: adapter deltas, per-step losses and compute times, step logs, and
+    ``val_curve``: (training seconds so far, steps done, validation loss) at each validation point."""
 
     args: argparse.Namespace
     deltas: dict[str, torch.Tensor] = field(default_factory=dict)
     losses: list[float] = field(default_factory=list)
     step_times: list[float] = field(default_factory=list)
     logs: list[dict[str, float]] = field(default_factory=list)
+    val_curve: list[tuple[float, int, float]] = field(default_factory=list)
 
     @property
     def wall_time(self) -> float:
@@ -258,6 +260,7 @@ class LoraResult:
 
 
 HookInstaller = Callable[[LabTrainer, argparse.Namespace], AbstractContextManager]
+Validator = Callable[[dict[str, torch.Tensor]], float]  # the adapter's ΔW → a validation loss
 
 
 def train_lora(
@@ -273,6 +276,8 @@ def train_lora(
     *,
     batch_size: int = 1,
     alpha: float | None = None,
+    validate: Validator | None = None,
+    validate_every: int = 0,
 ) -> LoraResult:
     """Train a LoRA on a copy of ``model`` (the caller's model is untouched).
 
@@ -280,6 +285,11 @@ def train_lora(
     native steps, the same noise/σ draws. ``hook_installer(trainer, args)`` (the plugin) is entered
     around the whole loop; without it the run is native. Step time counts the forward, backward and
     optimizer step (not the lab's batch synthesis, which a real host caches).
+
+    ``validate(deltas)`` runs before the first step, every ``validate_every`` steps and after the
+    last, outside the step timer and between steps, so a routed and a native run compare on the
+    same native-grid loss against the same clock; it must draw from private generators only
+    (:func:`native_validation_loss` does), so the run's own figures do not depend on it.
     """
     alpha = float(rank if alpha is None else alpha)
     args = lab_args(
@@ -305,6 +315,7 @@ def train_lora(
     result = LoraResult(args=args)
     installer = hook_installer(trainer, args) if hook_installer is not None else contextlib.nullcontext()
     torch.manual_seed(seed)
+    _validate(result, lora_model, validate, 0)
     with installer:
         for step in range(steps):
             step_loss, elapsed = 0.0, 0.0
@@ -332,8 +343,15 @@ def train_lora(
             result.logs.append(logs)
             if on_step is not None:
                 on_step(step, logs)
+            if (validate_every and (step + 1) % validate_every == 0) or step + 1 == steps:
+                _validate(result, lora_model, validate, step + 1)
     result.deltas = lora_deltas(lora_model)
     return result
+
+
+def _validate(result: LoraResult, lora_model: torch.nn.Module, validate: Validator | None, steps_done: int) -> None:
+    if validate is not None:
+        result.val_curve.append((result.wall_time, steps_done, validate(lora_deltas(lora_model))))
 
 
 @torch.no_grad()

@@ -24,6 +24,7 @@ from ...sigma import CLOSED_FORM_MODES, DENSITY_SCHEMES, DdpmSampler, SigmaSampl
 from ..kohya import config_from_command_line, config_from_training_toml
 from .buckets import sd_scripts_buckets
 from .facts import ARCHS, BY_ARCH
+from .flop_args import run_flops
 
 SAMPLER_KNOBS = (
     "timestep_sampling",
@@ -173,7 +174,8 @@ def plan_inputs(args: argparse.Namespace, host: HostArgs, arch: str) -> PlanInpu
     batch_size = host.get("batch_size", 1, int, toml_key="train_batch_size")
     buckets, weights, note = _buckets(args, host, arch)
     total = host.get("max_train_steps", 0, int) * host.get("gradient_accumulation_steps", 1, int)
-    return PlanInputs(sampler, sampler_text, buckets, weights, note, batch_size, total, (*SAMPLER_KNOBS, "batch_size"))
+    flops = run_flops(arch, argparse.Namespace(**host.toml))  # the training TOML's text lengths, network_dim, checkpointing
+    return PlanInputs(sampler, sampler_text, buckets, weights, note, batch_size, total, (*SAMPLER_KNOBS, "batch_size"), flops)
 
 
 # The trainer's latent cache keys: "latents", or "latents_{H}x{W}" for multi-resolution caches. The

@@ -43,6 +43,8 @@ class TrainerArch:
       scales, for module-level handles (Lumina and Anima use the unwrapped denoiser itself).
     - ``latent_scale``: what ``shift_scale_latents`` multiplies cached latents by (a shift does not
       change a std; ``snr`` reads it).
+    - ``text_lengths``: (FLOP-builder keyword, the trainer's length argument, its default) for each
+      text sequence the denoiser sees (``flop_args.run_flops`` counts the run's own lengths).
     """
 
     arch: str
@@ -56,12 +58,14 @@ class TrainerArch:
     positions_handle: tuple[str, str] | None = None
     latent_scale: float = 1.0
     model_type: str | None = None
+    text_lengths: tuple[tuple[str, str, int], ...] = ()
 
 
 TRAINER_ARCHS: tuple[TrainerArch, ...] = (
     TrainerArch(
         "anima", "AnimaNetworkTrainer", "anima_train_network", ("Anima",), "networks.lora_anima",
         ("library.flux_train_utils", "flux"), ("sigmoid", 1.0),
+        text_lengths=(("t5_tokens", "t5_max_token_length", 512), ("qwen_tokens", "qwen3_max_token_length", 512)),
     ),
     TrainerArch(
         "hunyuan_image", "HunyuanImageNetworkTrainer", "hunyuan_image_train_network", ("HYImageDiffusionTransformer",),
@@ -71,20 +75,24 @@ TRAINER_ARCHS: tuple[TrainerArch, ...] = (
     TrainerArch(
         "lumina", "LuminaNetworkTrainer", "lumina_train_network", ("NextDiT",), "networks.lora_lumina",
         ("library.lumina_train_util", "lumina"), ("shift", 6.0), vae_calls="direct",
+        text_lengths=(("text_tokens", "gemma2_max_token_length", 256),),
     ),
     TrainerArch(
         "chroma", "FluxNetworkTrainer", "flux_train_network", ("Chroma",), "networks.lora_flux",
         ("library.flux_train_utils", "flux"), ("sigma", 3.0), vae_calls="direct",
         positions_handle=("library.flux_utils", "prepare_img_ids"), model_type="chroma",
+        text_lengths=(("text_tokens", "t5xxl_max_token_length", 512),),
     ),
     TrainerArch(
         "flux", "FluxNetworkTrainer", "flux_train_network", ("Flux",), "networks.lora_flux",
         ("library.flux_train_utils", "flux"), ("sigma", 3.0), vae_calls="direct",
         positions_handle=("library.flux_utils", "prepare_img_ids"),
+        text_lengths=(("text_tokens", "t5xxl_max_token_length", 512),),  # schnell: 256 (flop_args.py)
     ),
     TrainerArch(
         "sd3", "Sd3NetworkTrainer", "sd3_train_network", ("MMDiT",), "networks.lora_sd3",
         ("library.sd3_train_utils", "sd3"), vae_calls="direct", latent_scale=1.5305,
+        text_lengths=(("t5_tokens", "t5xxl_max_token_length", 256),),  # + 77 CLIP tokens in the preset
     ),
     TrainerArch(
         "sdxl", "SdxlNetworkTrainer", "sdxl_train_network", ("SdxlUNet2DConditionModel",), "networks.lora",

@@ -16,6 +16,8 @@ COMMAND_MODULES = (
     "downscale_plugin.hosts.sd_scripts.cli",
     "downscale_plugin.hosts.lab.cli",
     "downscale_plugin.mapping.cli",
+    "downscale_plugin.mapping.certify_cli",
+    "downscale_plugin.hosts.lab.certify",
     "downscale_plugin.fasterdit.cli",
 )
 

@@ -172,6 +172,59 @@ class FasterDitConfig:
         _check_fields(self)
 
 
+FOREIGN = ("error", "warn")
+
+
+@dataclass(frozen=True)
+class WindowsProvenance:
+    """Where a windows file's verdicts were measured; ``map`` and ``certify`` write these keys into the
+    windows TOML they emit (TOML key = ``windows_`` + field). A host that knows its model, arch and
+    native tier refuses windows certified for another (:func:`foreign_windows`) unless
+    ``windows_foreign = "warn"``: a window is evidence about one model at one grid, not a preset."""
+
+    model: str | None = _key(
+        None, "str", help="identity of the base model the windows were certified on (the host's model hash, or a file hash)"
+    )
+    arch: str | None = _key(None, "enum", ARCH_NAMES, "the architecture the windows were certified on")
+    native: str | None = _key(None, "str", help='the probes\' native latent grid "HxW" (its tier)')
+    margin: float | None = _key(None, "float", (0.0, 1.0), "the margin ε the windows were certified at")
+    method: str | None = _key(None, "str", help="how they were certified: map or certify, with its settings")
+    images: int | None = _key(None, "int", (1, None), "probe images behind the verdicts")
+    version: str | None = _key(None, "str", help="the plugin version that wrote them")
+    date: str | None = _key(None, "str", help="when they were written (UTC)")
+    foreign: str = _key("error", "enum", FOREIGN, "windows certified for another model, arch or tier: error, or warn and use them")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+def _latent_hw(text: str) -> tuple[int, int] | None:
+    h, sep, w = text.lower().partition("x")
+    return (int(h), int(w)) if sep and h.isdigit() and w.isdigit() else None
+
+
+def foreign_windows(
+    windows: WindowsProvenance, model: str | None, arch: str, latent_buckets: Sequence[tuple[int, int]], tier_tolerance: float
+) -> list[str]:
+    """Each recorded provenance key this run differs on, naming both sides: ``windows_model`` (when
+    the host can identify its model), ``windows_arch``, and ``windows_native`` (no bucket of the run is
+    in the certified grid's tier: √(h·w) within ``tier_tolerance``)."""
+    problems = []
+    if windows.model is not None and model is not None and windows.model != model:
+        problems.append(f"windows_model: the windows were certified on model {windows.model!r}, this run's model is {model!r}")
+    if windows.arch is not None and windows.arch != arch:
+        problems.append(f"windows_arch: the windows were certified on {windows.arch!r}, this run is {arch!r}")
+    native = _latent_hw(windows.native) if windows.native else None
+    if native is not None and latent_buckets:
+        edge = math.sqrt(native[0] * native[1])
+        if not any(abs(math.sqrt(h * w) / edge - 1.0) <= tier_tolerance for h, w in latent_buckets):
+            grids = ", ".join(f"{h}x{w}" for h, w in sorted(set(latent_buckets)))
+            problems.append(
+                f"windows_native: the windows were certified at latent {windows.native}, no bucket of this run is in its tier ({grids})"
+            )
+    return problems
+
+
 def _group(prefix: str, settings: type) -> Any:
     """A nested settings field whose keys stay flat in every source: ``prefix`` + the field's name."""
     return field(default_factory=settings, metadata={"group": prefix})
@@ -193,6 +246,7 @@ class DownscaleConfig:
     mode: str = _key("train", "enum", MODES, "map: measure the gradient map in this run and derive the windows")
     after_map: str = _key("stop", "enum", AFTER_MAP, "after the map: stop, or train on with the derived windows")
     map: MapConfig = _group("map_", MapConfig)
+    windows: WindowsProvenance = _group("windows_", WindowsProvenance)
     sources: tuple[str, ...] = field(default=(), compare=False)
 
     def with_routes(self, routes: Sequence[RouteRule]) -> DownscaleConfig:

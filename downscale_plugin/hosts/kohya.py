@@ -15,10 +15,12 @@ startup check (``downscale_plugin_startup``, run by a ``.pth`` file at every int
 from __future__ import annotations
 
 import argparse
+import importlib
 import os
 import types
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import toml

@@ -125,6 +125,23 @@ def route_entry(w: Window, native_edge: float) -> dict:
     return entry
 
 
+def provenance_keys(backend: dict, margin: float, method: str, images: int | None, date: str) -> dict:
+    """The ``windows_*`` keys (``config.WindowsProvenance``) of a windows TOML: the base model, arch and
+    native grid the verdicts were measured on, and how; what the backend does not know is left out."""
+    hw = backend.get("native_latent_hw")
+    keys = {
+        "windows_model": backend.get("model_identity"),
+        "windows_arch": backend.get("arch"),
+        "windows_native": f"{hw[0]}x{hw[1]}" if hw else None,
+        "windows_margin": margin,
+        "windows_method": method,
+        "windows_images": images,
+        "windows_version": backend.get("plugin_version"),
+        "windows_date": date,
+    }
+    return {key: value for key, value in keys.items() if value is not None}
+
+
 def windows_toml(result: MapResult, command: str = "", date: str | None = None, setting: tuple[str, str] = PLAIN) -> str:
     """A plugin TOML (``downscale_config=``) for one setting, with a provenance header; ``enable = false`` if no window."""
     backend = result.provenance.get("backend", {})
@@ -154,9 +171,9 @@ def windows_toml(result: MapResult, command: str = "", date: str | None = None, 
             "# other arms, not routes here (another setting has its own windows@<setting>.toml; the plugin cannot run pixel arms):"
         )
         header += [f"#   {name}: {', '.join(w.text() for w in ws) or 'no window'}" for name, ws in others.items()]
-    doc: dict = {}
-    if arch:
-        doc["arch"] = arch
+    doc: dict = {"arch": arch} if arch else {}
+    method = f"map (N = {s.images}, D = {s.draws}, one-sided {100 * (1 - s.alpha):g}% t bound{', Bonferroni over bins' if s.simultaneous else ''})"
+    doc.update(provenance_keys(backend, s.margin, method, s.images, date))
     if setting != PLAIN:
         doc["sigma_policy"], doc["positions"] = setting
     if stack.windows:

@@ -43,6 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from ... import __version__
 from ...arch import get_arch
 from ...fasterdit.policies import policy_factor, shift_sigma
 from ...fasterdit.positions import positions_scope
@@ -142,7 +143,7 @@ class LabBackend:
         from ...lab import flux_train_utils, flux_utils
         from ...lab.data import LabData, LabDataConfig
         from ...lab.model import LabModelConfig, LabTextEncoder, build_model
-        from ...lab.pretrain import load_or_pretrain
+        from ...lab.pretrain import DEFAULT, QUICK, cache_key, load_or_pretrain
         from ...lab.trainer import LabAccelerator, LabTrainer, inject_lora, lab_args, make_noise_scheduler
 
         problems = lab_problems(cfg, ())
@@ -156,8 +157,10 @@ class LabBackend:
         self.probes = select_probes(data, images, cfg.native_hw, cfg.seed)
         if cfg.pretrained:
             self.model = load_or_pretrain(model_cfg, quick=cfg.quick, progress=progress, data=data)
+            self.identity = f"lab:{cache_key(model_cfg, QUICK if cfg.quick else DEFAULT, data)}"  # the cached weights' key
         else:
             self.model = build_model(model_cfg, cfg.seed).requires_grad_(False)
+            self.identity = f"lab:random-init:{cfg.seed}"
         self.model_cfg = model_cfg
         self.codec = data.codec
         self.stds: dict[tuple[str, float], tuple[float, float]] = {}  # (kind, ratio) -> (native std, small std), for snr_match
@@ -204,6 +207,8 @@ class LabBackend:
             "adapter": f"peft LoRA r={self.cfg.rank} alpha={self.cfg.rank} on attention projections, {sum(p.numel() for p in self.params)} params, {warm}",
             "data": f"{self._data_desc}; probes: {', '.join(p['caption'] for p in self.probes)}",
             "arch": self.cfg.arch,
+            "model_identity": self.identity,
+            "plugin_version": __version__,
             "native_latent_hw": list(self.cfg.native_hw),
             "note": "lab latents are 4 px per cell; the tier edge uses the arch's VAE factor, as the router does",
             "codec": f"lab LatentCodec (pixel-unshuffle 4, orthonormal 48->{self.codec.projection.shape[0]}, per-channel norm); "

@@ -51,12 +51,13 @@ from ...plan import format_plan
 from ...rng import accelerator_devices, forked
 from ...scope import Patches
 from ...text import route_rows
+from ..kohya import model_identity
 from .buckets import DatasetBuckets
 from .facts import VAE_ARCHS, HostError, TrainerArch
 from .families import SamplerFamily
 from .hook import DownscaleHook, HostCall, at_grid
 from .map_backend import HostVae, SdScriptsBackend, split_batch
-from .run import DownscaleRun
+from .run import DownscaleRun, version
 from .trainer import TrainerContext
 
 logger = logging.getLogger(__name__)
@@ -281,6 +282,8 @@ class MapSession:
             "data": f"the run's first {n} training samples (train batches 1-{self.batches})"
             + (f"; captions: {' | '.join(captions)}" if captions else ""),
             "trainer": type(self.ctx.trainer).__name__,
+            "model_identity": model_identity(args),
+            "plugin_version": version(),
         }
 
     # -- after_map = "train" ----------------------------------------------------------------------

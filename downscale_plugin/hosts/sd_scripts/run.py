@@ -139,6 +139,34 @@ class DownscaleRun:
 
     # -- counts across --save_state / --resume ----------------------------------------------------
 
+    def install_save_and_end(self, network: Any, args: Any) -> None:
+        """Instance wraps: ``ss_downscale_*`` keys on every save (the weights are the inner's, untouched);
+        the end summary at ``accelerator.end_training`` (every rank calls it, so the last reduce is symmetric).
+
+        The run's patches come off on the main process after the last weights, which follow
+        ``end_training`` there in both kohya trainers (after the last state with ``--save_state``), and
+        need this ``save_weights`` wrap; on the other ranks at ``end_training``: the saves are main-process only."""
+        save = network.save_weights
+        end = self.accelerator.end_training
+
+        def save_weights(file, dtype, metadata):
+            if metadata is not None and not getattr(args, "no_metadata", False):
+                metadata = {**metadata, **self.metadata()}
+            try:
+                return save(file, dtype, metadata)
+            finally:
+                if self.finished:
+                    self.close()
+
+        def end_training(*a, **kw):
+            self.finish()
+            if self.rank != 0:
+                self.close()  # no save follows on this rank
+            return end(*a, **kw)
+
+        self.patches.set(network, "save_weights", save_weights)
+        self.patches.set(self.accelerator, "end_training", end_training)
+
     def install_state_hooks(self) -> None:
         """Save the counts with every ``accelerator.save_state`` and restore them at ``load_state`` (the
         host's ``--save_state`` / ``--resume``), through accelerate's state pre-hooks; :meth:`close` removes them."""
@@ -149,7 +177,7 @@ class DownscaleRun:
             self.patches.on_undo(register(hook).remove)
 
     def close(self) -> None:
-        """Undo every patch of the run, in reverse, at its end (``start.py`` ``_wrap_save_and_end`` says
+        """Undo every patch of the run, in reverse, at its end (``install_save_and_end`` says
         when: after the host's last save on the main process); idempotent."""
         self.patches.undo()
 

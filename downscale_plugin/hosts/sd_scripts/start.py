@@ -33,16 +33,17 @@ import torch
 
 from ...accounting import Accounting
 from ...arch import get_arch
-from ...config import DownscaleConfig
+from ...config import DownscaleConfig, foreign_windows
 from ...plan import Plan, format_plan, plan_table
 from ...rng import accelerator_devices, forked, seed_forked
 from ...router import RouteDecision, Router
 from ...scope import Patches
 from ...text import route_rows
-from ..kohya import plugin_config
+from ..kohya import model_identity, plugin_config
 from .buckets import DatasetBuckets, dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
 from .families import GRID_DEPENDENT_MODES, SamplerFamily
+from .flop_args import run_flops
 from .hook import DownscaleHook
 from .resume import HostResume, banner_line
 from .run import DownscaleRun, Routing, show, version
@@ -130,7 +131,7 @@ def _shared_seed(seed: int, accelerator: Any) -> int:
 
 
 def _predict(
-    ctx: TrainerContext, family: SamplerFamily, cfg: DownscaleConfig, arch: str, buckets: DatasetBuckets, world: int
+    ctx: TrainerContext, family: SamplerFamily, cfg: DownscaleConfig, arch: str, buckets: DatasetBuckets, world: int, flops: Any
 ) -> Plan | None:
     """The plan for this run's buckets under the host's own sampler (banner, predicted fractions)."""
     if not buckets.latent_buckets:
@@ -139,7 +140,9 @@ def _predict(
     sampler = HostSampler(family, ctx.args, scheduler, ctx.weight_dtype or torch.float32)
     total = int(ctx.args.max_train_steps) * int(getattr(ctx.args, "gradient_accumulation_steps", 1) or 1)
     hw, weights, batch = buckets.latent_buckets, buckets.weights, buckets.batch_size
-    return plan_table(cfg, arch, sampler, hw, batch, weights, total_forwards=total, mc_samples=PLAN_MC_SAMPLES, seed=0, world_size=world)
+    return plan_table(
+        cfg, arch, sampler, hw, batch, weights, flop_model=flops, total_forwards=total, mc_samples=PLAN_MC_SAMPLES, seed=0, world_size=world
+    )
 
 
 def _sampler_text(record: TrainerArch, args: Any) -> str:
@@ -173,16 +176,29 @@ def routing(
     router.host = (args, resume or HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: None))
     predict = int(accelerator.process_index) == 0 and (cfg.mode == "train" or bool(cfg.routes))
     world = int(accelerator.num_processes)
-    plan = _predict(ctx, family, cfg, arch, buckets, world) if predict else None
+    flops = run_flops(arch, args, ctx.trainer)  # the run's own text lengths, rank, checkpointing
+    plan = _predict(ctx, family, cfg, arch, buckets, world, flops) if predict else None
     accounting = Accounting(
         cfg.routes,
-        get_arch(arch).flops,
+        flops,
         plan.probs if plan else None,
         predicted_flop_saving=plan.flop_saving if plan else None,
         token_values=Accounting.vocabulary(buckets.latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
         sigma_policy=cfg.fasterdit.sigma_policy,
     )
     return Routing(router, plan, accounting)
+
+
+def check_windows(cfg: DownscaleConfig, model: str | None, arch: str, buckets: DatasetBuckets) -> None:
+    """Windows certified for another model, arch or tier (``config.foreign_windows``) stop the run,
+    naming each mismatch, unless ``windows_foreign = "warn"``, which logs them."""
+    problems = foreign_windows(cfg.windows, model, arch, buckets.latent_buckets, cfg.tier_tolerance)
+    if problems and cfg.windows.foreign == "error":
+        raise HostError(
+            'windows certified for another model, arch or tier (windows_foreign = "warn" uses them anyway):\n  - ' + "\n  - ".join(problems)
+        )
+    for problem in problems:
+        logger.warning('downscale_plugin: %s; windows_foreign = "warn": using the windows anyway', problem)
 
 
 def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> DownscaleRun | None:
@@ -208,6 +224,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         logger.warning("downscale_plugin: %s", note)
     seed = _shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
     buckets = dataset_buckets(ctx.dataset_group, get_arch(arch).vae_factor)
+    check_windows(cfg, model_identity(args), arch, buckets)
     resume = HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: run.host_state)
     run = DownscaleRun(cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets, resume))
     router, plan = run.router, run.plan
@@ -228,7 +245,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     if session:
         session.install()
     run.install_state_hooks()  # counts saved with --save_state, restored (with train_state.json) on --resume
-    _wrap_save_and_end(network, accelerator, run, args)
+    run.install_save_and_end(network, args)
     if rank == 0:
         head = (
             f"downscale_plugin {version()}: {arch} ({type(ctx.trainer).__name__}), inner network {inner}, gate {cfg.gate}, "
@@ -253,33 +270,3 @@ def _install_hook(hook: DownscaleHook, trainer: Any, patches: Patches) -> None:
     patches.set(trainer, EXPLICIT_STEP_HOOK, hook.dispatch)
     patches.set(trainer, EXPLICIT_LOGS_HOOK, hook.step_logs)
     hook.install_loss(trainer, patches)  # the patch has no call point around the loss
-
-
-def _wrap_save_and_end(network: Any, accelerator: Any, run: DownscaleRun, args: Any) -> None:
-    """Instance wraps: ``ss_downscale_*`` keys on every save (the weights are the inner's, untouched);
-    the end summary at ``accelerator.end_training`` (every rank calls it, so the last reduce is symmetric).
-
-    The run's patches (these two wraps, the accelerate state hooks, the step hook's, the map's) come off
-    on the main process after the last weights, which follow ``end_training`` there (train_network.py; after
-    the last state with ``--save_state`` / ``--save_state_on_train_end``, train_network.py), and need this
-    ``save_weights`` wrap; on the other ranks at ``end_training``: the host's saves are main-process only."""
-    save = network.save_weights
-    end = accelerator.end_training
-
-    def save_weights(file, dtype, metadata):
-        if metadata is not None and not getattr(args, "no_metadata", False):
-            metadata = {**metadata, **run.metadata()}
-        try:
-            return save(file, dtype, metadata)
-        finally:
-            if run.finished:
-                run.close()
-
-    def end_training(*a, **kw):
-        run.finish()
-        if run.rank != 0:
-            run.close()  # no save follows on this rank
-        return end(*a, **kw)
-
-    run.patches.set(network, "save_weights", save_weights)
-    run.patches.set(accelerator, "end_training", end_training)

@@ -1,0 +1,535 @@
+"""The certifier: (route, σ-bin) windows for a tenth of the full map's passes, never wider than it.
+
+Where the full map (``estimator.py``) spends N images × D draws × (2 + routes) passes on every bin,
+the certifier spends evidence only where a verdict is still open and worth having
+(docs/FIDELITY.md, "Certification at a tenth of the cost"):
+
+- **Paired draws** (``paired.py``): one native arm per (image, bin, draw), every route's noise coupled
+  to it; the per-image estimate is the U-statistic cosine gap of ``sequential.py``.
+- **Sequential per bin**: images arrive one at a time in a seeded order; the bound is read at the
+  looks of a :class:`~downscale_plugin.mapping.sequential.Looks` confidence sequence and the bin
+  stops once ``safe``/``unsafe``/``futile``/``inconclusive`` (``sequential.verdict``).
+- **Spend where it pays**: the next evidence goes to the open test whose value per pass is largest,
+  value = the host sampler's mass of the bin × the route's token saving (1 − token fraction); a bin
+  the sampler never draws (σ = 1 under a continuous law) is never tested, it routes nothing.
+- **Search from σ = 1 down**: each route's bins are tested from the top; the first bin that ends not
+  safe is the route's edge and its search stops there. This assumes the excess does not decrease
+  as σ falls below the edge (on the lab maps it grows toward low σ, docs/FIDELITY.md §4); bins below
+  the edge are untested, i.e. not safe, so a wrong assumption costs windows, never soundness.
+  ``spot_checks`` bins below each edge are tested all the same once the searches are done; one that
+  comes out safe is kept (its bound is as valid as any) and reported as a monotonicity violation.
+
+Cost model: a native pass (one forward+backward at the native grid) is 1; a route pass counts its
+token fraction (h_r·w_r)/(h·w) of the grids actually run (= r² on the lab's default grids); the
+budget and ``native_step_equivalents`` are in these units. Cached native draws are not paid twice.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import math
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any, Protocol
+
+import numpy as np
+import toml
+import torch
+
+from ..arch import get_arch
+from ..bins import SigmaBins
+from ..rng import forked, seed_forked
+from .arms import PLAIN, Arm, MapBackend
+from .estimator import arm_key, flat_grad
+from .paired import coupled_small_noise, injected_noise
+from .sequential import SAFE, Bound, Looks, paired_excess, read, verdict
+from .windows import provenance_keys, route_entry, stack_windows
+
+BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
+
+
+@dataclass(frozen=True)
+class CertifySettings:
+    """ε, draws per (image, bin), the look schedule (its last look = the image pool used), the pass
+    budget in native-step equivalents, the certifier's seed and the spot checks below each edge."""
+
+    margin: float = 0.05
+    draws: int = 4
+    looks: Looks = field(default_factory=Looks)
+    budget: float = 300.0
+    seed: int = 0
+    spot_checks: int = 2
+
+
+def settings_problems(s: CertifySettings) -> list[str]:
+    problems = []
+    if s.draws < 2:
+        problems.append(f"draws: {s.draws} must be >= 2 (the U-statistics pair distinct draws)")
+    if not 0.0 < s.margin < 1.0:
+        problems.append(f"margin: {s.margin} must be strictly between 0 and 1 (cosine-distance units)")
+    if not s.budget > 0:
+        problems.append(f"budget: {s.budget} native-step equivalents must be > 0")
+    if s.spot_checks < 0:
+        problems.append(f"spot_checks: {s.spot_checks} must be >= 0")
+    return problems
+
+
+class DrawSource(Protocol):
+    """Gradient draws for the certifier. ``native(image, bin)`` → (D, p) native draws;
+    ``route(image, bin, arm)`` → (D, p) draws of the route, draw d paired with native draw d (same σ,
+    coupled noise); ``cost(arm)`` → native-step equivalents of one pass (None: native, 1)."""
+
+    def num_images(self) -> int: ...
+
+    def native(self, image: int, bin_: int) -> torch.Tensor: ...
+
+    def route(self, image: int, bin_: int, arm: Arm) -> torch.Tensor: ...
+
+    def cost(self, arm: Arm | None) -> float: ...
+
+
+def _key(*parts: int) -> int:
+    return int(np.random.SeedSequence([p & 0xFFFFFFFF for p in parts]).generate_state(1)[0])
+
+
+class BackendDraws:
+    """:class:`DrawSource` over any :class:`~downscale_plugin.mapping.arms.MapBackend`: each draw is the
+    backend's (the trainer's own) loss at a σ drawn uniformly in the bin, with the noise injected
+    (``paired.injected_noise``): the native draw's ε from a private generator, each route's ε_r = M·ε
+    (``paired=False``: an independent ε_r, the unpaired baseline the variance reduction is measured against).
+    Every call runs in a forked, seeded RNG, as the map's draws do."""
+
+    def __init__(self, backend: MapBackend, bins: SigmaBins, draws: int, seed: int, paired: bool = True):
+        self.backend, self.bins, self.draws, self.seed, self.paired = backend, bins, draws, seed, paired
+        self.params = [p for p in backend.trainable_parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("certify: the model has no trainable parameters (attach a trainable adapter)")
+        self.inputs: dict[tuple[int, str], Any] = {}
+        self.native_shape: dict[int, tuple[int, ...]] = {}
+        self.fractions: dict[str, float] = {}
+
+    def num_images(self) -> int:
+        return self.backend.num_images()
+
+    def cost(self, arm: Arm | None) -> float:
+        if arm is None:
+            return 1.0
+        return self.fractions.get(arm.name, arm.ratio**2)
+
+    def _input(self, image: int, arm: Arm) -> Any:
+        if (image, arm.name) not in self.inputs:
+            self.inputs[image, arm.name] = self.backend.arm_input(image, arm)
+        return self.inputs[image, arm.name]
+
+    def _sigma(self, image: int, bin_: int, d: int) -> float:
+        if self.bins.is_endpoint(bin_):
+            return 1.0
+        lo, hi = self.bins.bounds(bin_)
+        u = float(np.random.default_rng(_key(self.seed, image, bin_, d, 0x5167)).random())
+        return lo + (hi - lo) * (1.0 - u)  # in (lo, hi]: the bin's own half-open interval
+
+    def _noise(self, image: int, bin_: int, d: int, shape: tuple[int, ...], stream: int = 0) -> torch.Tensor:
+        gen = torch.Generator().manual_seed(_key(self.seed, image, bin_, d, 0xE751, stream))
+        return torch.randn(shape, generator=gen, dtype=torch.float64)
+
+    def _grad(self, image: int, arm: Arm, sigma: float, noise: Callable[[tuple[int, ...]], torch.Tensor], key: int) -> torch.Tensor:
+        shapes: list[tuple[int, ...]] = []
+
+        def make(shape: tuple[int, ...]) -> torch.Tensor:
+            shapes.append(shape)
+            return noise(shape)
+
+        devices = self.backend.rng_devices
+        with forked(devices), injected_noise(make):
+            seed_forked(key, devices)
+            loss = self.backend.loss(image, self._input(image, arm), sigma)
+        if arm.kind != "native":
+            native = self.native_shape[image]
+            self.fractions[arm.name] = (shapes[0][-2] * shapes[0][-1]) / (native[-2] * native[-1])
+        else:
+            self.native_shape[image] = shapes[0]
+        return flat_grad(loss, self.params)
+
+    def native(self, image: int, bin_: int) -> torch.Tensor:
+        arm = Arm("native_a", "native")
+        rows = []
+        for d in range(self.draws):
+            key = _key(self.seed, image, bin_, arm_key(arm), d)
+            rows.append(self._grad(image, arm, self._sigma(image, bin_, d), lambda s, d=d: self._noise(image, bin_, d, s), key))
+        return torch.stack(rows)
+
+    def route(self, image: int, bin_: int, arm: Arm) -> torch.Tensor:
+        if image not in self.native_shape:
+            raise RuntimeError("BackendDraws.route: the image's native draws run first (their noise is the pairing's)")
+        rows = []
+        for d in range(self.draws):
+            if self.paired:
+                native = self._noise(image, bin_, d, self.native_shape[image])
+                noise = lambda s, native=native: coupled_small_noise(native, s[-2:])  # noqa: E731
+            else:
+                noise = lambda s, d=d: self._noise(image, bin_, d, s, stream=arm_key(arm))  # noqa: E731
+            key = _key(self.seed, image, bin_, arm_key(arm), d)
+            rows.append(self._grad(image, arm, self._sigma(image, bin_, d), noise, key))
+        return torch.stack(rows)
+
+
+@dataclass
+class BinTest:
+    """One (route, σ-bin) test: its evidence (per-image estimates, in arrival order), last reading and verdict."""
+
+    route: str
+    ratio: float
+    bin: int
+    lo: float
+    hi: float
+    value: float  # sampler mass × token saving: what a safe verdict is worth
+    spot: bool = False  # a spot check below the route's edge, not part of its search
+    images: list[int] = field(default_factory=list)
+    values: list[float] = field(default_factory=list)
+    bound: Bound | None = None
+    verdict: str | None = None
+    cost: float = 0.0
+
+    @property
+    def open(self) -> bool:
+        return self.verdict is None
+
+    @property
+    def safe(self) -> bool:
+        return self.verdict == SAFE
+
+    @property
+    def arm(self) -> str:
+        return self.route
+
+
+@dataclass
+class CertifyResult:
+    bins: SigmaBins
+    routes: tuple[Arm, ...]
+    settings: CertifySettings
+    tests: list[BinTest]
+    spent: float
+    notes: list[str]
+    provenance: dict[str, Any] = field(default_factory=dict)
+
+    def test(self, route: str, bin_: int) -> BinTest | None:
+        return next((t for t in self.tests if t.route == route and t.bin == bin_), None)
+
+    def rows(self, route: Arm) -> list[BinTest]:
+        """One row per bin for ``route`` (an untested bin: a row with verdict ``untested``), by bin."""
+        out = []
+        for b in range(len(self.bins)):
+            found = self.test(route.name, b)
+            if found is None:
+                lo, hi = self.bins.bounds(b)
+                found = BinTest(route.name, route.ratio, b, lo, hi, 0.0, verdict=UNTESTED)
+            out.append(found)
+        return out
+
+    def to_json(self) -> dict[str, Any]:
+        s = self.settings
+        bins = []
+        for route in self.routes:
+            for t in self.rows(route):
+                b = t.bound
+                bins.append(
+                    {
+                        "route": t.route,
+                        "ratio": t.ratio,
+                        "bin": t.bin,
+                        "label": self.bins.label(t.bin),
+                        "lo": t.lo,
+                        "hi": t.hi,
+                        "verdict": t.verdict,
+                        "safe": t.safe,
+                        "spot_check": t.spot,
+                        "bound": None if b is None else {"mean": b.mean, "sd": b.sd, "lower": b.lower, "upper": b.upper, "n": b.n},
+                        "evidence": {"images": t.images, "excess": t.values},
+                        "value": t.value,
+                        "cost": t.cost,
+                    }
+                )
+        return {
+            "method": "certify: paired noise, U-statistic cosine gap, Bonferroni-over-looks t confidence sequence, top-down search",
+            "provenance": self.provenance,
+            "settings": {**asdict(s), "looks": {"at": list(s.looks.at), "alpha": s.looks.alpha}},
+            "bins_spec": {"edges": list(self.bins.edges), "endpoint": self.bins.endpoint},
+            "cost": {"native_step_equivalents": self.spent, "budget": s.budget, "model": "native pass 1, route pass its token fraction"},
+            "bins": bins,
+            "notes": list(self.notes),
+        }
+
+
+Progress = Callable[[float, str], None]
+
+
+class Certifier:
+    """Runs the search over one :class:`DrawSource`; see the module docstring for the rules."""
+
+    def __init__(
+        self,
+        source: DrawSource,
+        routes: Sequence[Arm],
+        bins: SigmaBins,
+        settings: CertifySettings,
+        mass: Callable[[float, float], float],
+        progress: Progress | None = None,
+        prior: Sequence[BinTest] = (),
+    ):
+        problems = settings_problems(settings)
+        if source.num_images() < settings.looks.last:
+            problems.append(f"images: the last look needs {settings.looks.last} probe images, the source has {source.num_images()}")
+        if not routes or any(a.kind != "latent" for a in routes):
+            problems.append("routes: at least one latent route arm, and only latent arms")
+        if problems:
+            raise ValueError("certify:\n  - " + "\n  - ".join(problems))
+        self.source, self.bins, self.settings, self.mass = source, bins, settings, mass
+        self.routes = tuple(sorted(routes, key=lambda a: -a.ratio))
+        self.progress = progress or (lambda spent, text: None)
+        rng = np.random.default_rng(_key(settings.seed, 0x0D3E))
+        self.order = {b: [int(i) for i in rng.permutation(source.num_images())] for b in range(len(bins))}
+        self.native_cache: dict[tuple[int, int], torch.Tensor] = {}
+        self.tests: list[BinTest] = []
+        self.prior = {(t.route, t.bin, t.spot): t for t in prior}
+        self.notes: list[str] = []
+        self.spent = 0.0
+        self.out_of_budget = False
+
+    # -- what to test -------------------------------------------------------------------------------
+
+    def top_down(self) -> list[int]:
+        """Bins from σ = 1 down, keeping those the sampler draws (mass > 0)."""
+        order = ([self.bins.n_segmented] if self.bins.endpoint else []) + list(range(self.bins.n_segmented - 1, -1, -1))
+        return [b for b in order if self._mass(b) > 0.0]
+
+    def _mass(self, b: int) -> float:
+        lo, hi = self.bins.bounds(b)
+        return self.mass(lo, hi)
+
+    def _new_test(self, route: Arm, b: int, spot: bool = False) -> BinTest:
+        """The (route, bin) test, continuing a prior run's evidence when there is one (a test that ran
+        out of budget there is open again: more images continue its confidence sequence)."""
+        test = self.prior.pop((route.name, b, spot), None)
+        if test is None:
+            lo, hi = self.bins.bounds(b)
+            test = BinTest(route.name, route.ratio, b, lo, hi, self._mass(b) * (1.0 - self.source.cost(route)), spot=spot)
+        elif test.verdict == BUDGET:
+            test.verdict = None
+        self.tests.append(test)
+        return test
+
+    # -- evidence -----------------------------------------------------------------------------------
+
+    def _image_cost(self, image: int, b: int, group: Sequence[BinTest]) -> float:
+        native = 0.0 if (image, b) in self.native_cache else self.settings.draws
+        return native + self.settings.draws * sum(self.source.cost(self._arm(t.route)) for t in group)
+
+    def _arm(self, name: str) -> Arm:
+        return next(a for a in self.routes if a.name == name)
+
+    def _add_image(self, group: Sequence[BinTest]) -> bool:
+        """One more image for every test of the group (same bin, same count); False when over budget."""
+        b, k = group[0].bin, len(group[0].values)
+        image = self.order[b][k]
+        cost = self._image_cost(image, b, group)
+        if self.spent + cost > self.settings.budget:
+            return False
+        if (image, b) not in self.native_cache:
+            self.native_cache[image, b] = self.source.native(image, b)
+            self.spent += self.settings.draws
+        native = self.native_cache[image, b]
+        for t in group:
+            arm = self._arm(t.route)
+            t.values.append(paired_excess(native, self.source.route(image, b, arm)))
+            t.images.append(image)
+            t.cost += self.settings.draws * self.source.cost(arm)
+            self.spent += self.settings.draws * self.source.cost(arm)
+        self.progress(self.spent, f"{self.bins.label(b)} {'+'.join(t.route for t in group)} n={k + 1}")
+        return True
+
+    def _advance(self, group: Sequence[BinTest]) -> None:
+        """Bring the group to its next look and read its verdicts."""
+        looks = self.settings.looks
+        target = looks.next_look(len(group[0].values))
+        while len(group[0].values) < target:
+            if not self._add_image(group):
+                self.out_of_budget = True
+                return
+        for t in group:
+            t.bound = read(t.values, looks)
+            t.verdict = verdict(t.bound, self.settings.margin, looks)
+
+    def _pick(self, open_tests: list[BinTest]) -> list[BinTest]:
+        """The (bin, count) group with the largest value per pass; search tests before spot checks."""
+        groups: dict[tuple[bool, int, int], list[BinTest]] = {}
+        for t in open_tests:
+            groups.setdefault((t.spot, t.bin, len(t.values)), []).append(t)
+
+        def worth(key: tuple[bool, int, int]) -> tuple[bool, float]:
+            group = groups[key]
+            image = self.order[key[1]][key[2]]
+            return (not key[0], sum(t.value for t in group) / self._image_cost(image, key[1], group))
+
+        return groups[max(groups, key=worth)]
+
+    # -- the search ---------------------------------------------------------------------------------
+
+    def run(self) -> list[BinTest]:
+        ladder = self.top_down()
+        position = {a.name: 0 for a in self.routes}  # index into ladder of each route's current bin
+        current = {a.name: self._new_test(a, ladder[0]) for a in self.routes} if ladder else {}
+        spots_queued = False
+        while not self.out_of_budget:
+            for name, t in list(current.items()):
+                if t.open:
+                    continue
+                del current[name]
+                if t.safe and position[name] + 1 < len(ladder):
+                    position[name] += 1
+                    current[name] = self._new_test(self._arm(name), ladder[position[name]])
+            open_tests = [t for t in self.tests if t.open]
+            if not open_tests:
+                if spots_queued:
+                    break
+                spots_queued = True
+                self._queue_spot_checks(ladder, position)
+                continue
+            self._advance(self._pick(open_tests))
+        for t in self.tests:
+            if t.open:
+                t.verdict = BUDGET
+                t.bound = read(t.values, self.settings.looks) if len(t.values) >= 2 else None
+        if self.out_of_budget:
+            self.notes.append(f"budget of {self.settings.budget:g} native-step equivalents reached; open tests end 'budget' (not safe)")
+        self._note_violations()
+        return self.tests
+
+    def _queue_spot_checks(self, ladder: list[int], position: dict[str, int]) -> None:
+        """``spot_checks`` bins evenly spread below each route's edge (the bin that ended its search)."""
+        for arm in self.routes:
+            edge = self.test(arm.name, ladder[position[arm.name]])
+            if edge is None or edge.safe:
+                continue  # the search reached the bottom safely: nothing below
+            below = ladder[position[arm.name] + 1 :]
+            n = min(self.settings.spot_checks, len(below))
+            for i in sorted({int(round(x)) for x in np.linspace(0, len(below) - 1, n)} if n else ()):
+                self._new_test(arm, below[i], spot=True)
+
+    def test(self, route: str, bin_: int) -> BinTest | None:
+        return next((t for t in self.tests if t.route == route and t.bin == bin_), None)
+
+    def _note_violations(self) -> None:
+        for t in self.tests:
+            if t.spot and t.safe:
+                self.notes.append(
+                    f"{t.route} {self.bins.label(t.bin)}: a spot check below the route's edge is safe: the excess is not monotone in σ "
+                    "there; the bins between it and the edge were not tested"
+                )
+
+
+def run_certify(
+    source: DrawSource,
+    routes: Sequence[Arm],
+    bins: SigmaBins,
+    settings: CertifySettings,
+    mass: Callable[[float, float], float],
+    progress: Progress | None = None,
+    provenance: dict[str, Any] | None = None,
+    prior: Sequence[BinTest] = (),
+) -> CertifyResult:
+    """Certify and collect the result, with the wall time in the provenance; ``prior`` (a saved
+    result's tests, :func:`load_tests`) is evidence to continue, not to redo."""
+    t0 = time.perf_counter()
+    certifier = Certifier(source, routes, bins, settings, mass, progress, prior)
+    tests = certifier.run()
+    prov = {**(provenance or {}), "wall_s": round(time.perf_counter() - t0, 2)}
+    return CertifyResult(bins, certifier.routes, settings, tests, certifier.spent, certifier.notes, prov)
+
+
+def load_tests(blob: dict[str, Any]) -> list[BinTest]:
+    """The tests of a saved ``certify.json`` (untested rows are not evidence and are skipped)."""
+    tests = []
+    for row in blob["bins"]:
+        if row["verdict"] == UNTESTED:
+            continue
+        b = row["bound"]
+        bound = None if b is None else Bound(b["n"], *(math.inf if b[k] is None else b[k] for k in ("mean", "sd", "lower", "upper")))
+        evidence = row["evidence"]
+        tests.append(
+            BinTest(
+                row["route"],
+                row["ratio"],
+                row["bin"],
+                row["lo"],
+                row["hi"],
+                row["value"],
+                row["spot_check"],
+                list(evidence["images"]),
+                list(evidence["excess"]),
+                bound,
+                row["verdict"],
+                row["cost"],
+            )  # fmt: skip
+        )
+    return tests
+
+
+@dataclass(frozen=True)
+class Verdicts:
+    """A certify result as the window rules read a map (``windows.stack_windows``): routes, one row per
+    (route, bin) with ``arm``/``bin``/``lo``/``hi``/``safe``, and ``row(arm, bin)``."""
+
+    result: CertifyResult
+
+    @property
+    def bins(self) -> SigmaBins:
+        return self.result.bins
+
+    @property
+    def rows(self) -> list[BinTest]:
+        return [t for a in self.result.routes for t in self.result.rows(a)]
+
+    def routes(self, setting: tuple[str, str] = PLAIN) -> list[Arm]:
+        return [a for a in self.result.routes if a.setting == setting]
+
+    def row(self, arm: str, bin_: int) -> BinTest:
+        return next(t for t in self.rows if t.arm == arm and t.bin == bin_)
+
+
+def windows_toml(result: CertifyResult, command: str = "", date: str | None = None) -> str:
+    """The plugin TOML of the certified windows (``downscale_config=``), with the method in its header."""
+    backend = result.provenance.get("backend", {})
+    stack = stack_windows(Verdicts(result))  # type: ignore[arg-type]  # duck-typed: the rows a map's window rules read
+    arch = backend.get("arch")
+    h, w = backend.get("native_latent_hw", (0, 0))
+    native_edge = math.sqrt(h * w) * get_arch(arch).vae_factor if arch else 0.0
+    s = result.settings
+    date = date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    header = [
+        "# downscale-plugin windows, written by the certifier (certify).",
+        f"# model: {backend.get('model', '?')}",
+        f"# adapter: {backend.get('adapter', '?')}",
+        f"# data: {backend.get('data', '?')}; native latent {h}x{w} (tier edge {native_edge:g} px at {arch}'s VAE factor, as the router counts)",
+        f"# paired draws D = {s.draws} per (image, bin), looks at {list(s.looks.at)} images, seed {s.seed}; bins: {result.bins.spec()}",
+        f"# margin ε = {s.margin:g}; safe = anytime-valid one-sided {100 * (1 - s.looks.alpha):g}% upper bound (t at α/{len(s.looks.at)} "
+        "per look) of the mean paired U-statistic excess < ε; untested bins are not safe",
+        f"# cost: {result.spent:.1f} native-step equivalents (budget {s.budget:g}); date: {date}",
+        f"# command: {command or '?'}",
+    ]
+    header += [f"# note: {n}" for n in (*stack.notes, *result.notes)]
+    doc: dict = {"arch": arch} if arch else {}
+    method = f"certify (paired noise, D = {s.draws}, looks {list(s.looks.at)}, anytime-valid one-sided {100 * (1 - s.looks.alpha):g}%)"
+    doc.update(provenance_keys(backend, s.margin, method, max((len(t.values) for t in result.tests), default=0) or None, date))
+    if stack.windows:
+        doc["routes"] = [route_entry(w, native_edge) for w in stack.windows]
+    else:
+        header.append("# no route has a certified window at this margin: the plugin is disabled")
+        doc["enable"] = False
+    return "\n".join(header) + "\n\n" + toml.dumps(doc)
+
+
+def full_map_cost(images: int, draws: int, bins: int, fractions: Sequence[float]) -> float:
+    """Native-step equivalents of the full map on the same grids: N × bins × D × (2 natives + Σ route fractions)."""
+    return float(images * bins * draws * (2.0 + math.fsum(fractions)))

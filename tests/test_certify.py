@@ -1,0 +1,383 @@
+"""The certifier core: paired noise (exact law, downsample identity, injection), the U-statistic
+estimate, the confidence sequence under optional stopping, and the top-down search with its budget."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from downscale_plugin.bins import parse_bins
+from downscale_plugin.grid import area_downsample, area_weights
+from downscale_plugin.mapping.arms import Arm, latent_arm
+from downscale_plugin.mapping.certify import BUDGET, UNTESTED, CertifySettings, run_certify
+from downscale_plugin.mapping.paired import NoiseNotDrawn, coupled_small_noise, downsample_covariance_sqrt, injected_noise, whitened_filter
+from downscale_plugin.mapping.sequential import FUTILE, SAFE, UNSAFE, Looks, paired_excess, read, u_inner, verdict
+
+# -- paired noise -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(("native", "small"), [((64, 64), (56, 56)), ((64, 64), (48, 48)), ((64, 64), (32, 32)), ((24, 40), (18, 30))])
+def test_coupled_noise_is_unit_white_and_its_native_downsample_is_the_scaled_small_noise(native, small):
+    for n_in, n_out in zip(native, small, strict=True):
+        m = whitened_filter(n_in, n_out)
+        assert torch.allclose(m @ m.T, torch.eye(n_out, dtype=torch.float64), atol=1e-10)  # ε_r = M·ε ~ N(0, I) exactly
+    eps = torch.randn(2, 3, *native, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    small_noise = coupled_small_noise(eps, small)
+    s_h, s_w = downsample_covariance_sqrt(native[0], small[0]), downsample_covariance_sqrt(native[1], small[1])
+    assert torch.allclose(area_downsample(eps, small), s_h @ small_noise @ s_w.T, atol=1e-10)
+
+
+def test_at_an_integer_ratio_the_small_noise_is_the_pooled_native_noise_times_the_inverse_ratio():
+    eps = torch.randn(1, 4, 16, 16, generator=torch.Generator().manual_seed(1), dtype=torch.float64)
+    pooled = torch.nn.functional.avg_pool2d(eps, 2)
+    assert torch.allclose(coupled_small_noise(eps, (8, 8)), 2.0 * pooled, atol=1e-12)
+
+
+def test_coupled_noise_has_the_hosts_marginal_and_the_conditional_gaussian_joint_law():
+    gen = torch.Generator().manual_seed(2)
+    eps = torch.randn(20000, 1, 8, 8, generator=gen, dtype=torch.float64)
+    small = coupled_small_noise(eps, (7, 7)).reshape(20000, -1)  # ratio 0.875: overlapping area weights
+    cov = small.T @ small / len(small)
+    assert (cov - torch.eye(49, dtype=torch.float64)).abs().max() < 0.06
+    assert small.mean(0).abs().max() < 0.04
+    # The residual ε − Mᵀ·ε_r is independent of ε_r (uncorrelated, jointly Gaussian): ε | ε_r ~ N(Mᵀ·ε_r, I − MᵀM).
+    m = torch.kron(whitened_filter(8, 7), whitened_filter(8, 7))
+    residual = eps.reshape(20000, -1) - small @ m
+    assert (residual.T @ small / len(small)).abs().max() < 0.04
+    projector = torch.eye(64, dtype=torch.float64) - m.T @ m
+    assert (residual.T @ residual / len(small) - projector).abs().max() < 0.06
+    assert torch.allclose(area_weights(8, 7).sum(1), torch.ones(7, dtype=torch.float64))
+
+
+def test_injected_noise_is_the_hosts_first_draw_only_and_a_host_without_one_is_refused():
+    x = torch.zeros(1, 2, 4, 4)
+    prepared = torch.full((1, 2, 4, 4), 3.0)
+    original = torch.randn_like
+    with injected_noise(lambda shape: prepared.reshape(shape)):
+        first, second = torch.randn_like(x), torch.randn_like(x)
+    assert torch.randn_like is original
+    assert torch.equal(first, prepared) and not torch.equal(second, prepared)
+    with pytest.raises(NoiseNotDrawn, match="drew no torch.randn_like"), injected_noise(lambda shape: prepared):
+        torch.randn(3)
+    assert torch.randn_like is original
+
+
+# -- the estimate ---------------------------------------------------------------------------------------
+
+
+class SyntheticDraws:
+    """Per image i: native mean μ (unit norm) and route mean at cosine 1 − gap_i, norm ``route_norm``;
+    per draw, noise B·ξ/√(q·p) on the native arm and B·ζ/√(q·p) on the route (noise norm ≈ signal norm, as on the lab), ζ = ρ·ξ + √(1−ρ²)·η: ``rho`` is
+    the coupling paired noise gives (0: independent draws). gap_i ~ N(gap, spread²), clipped to [0, 1]."""
+
+    def __init__(self, gaps: dict[tuple[str, int], float], images: int, rho: float, seed: int, spread: float = 0.02, dim: int = 200):
+        self.rng = np.random.default_rng(seed)
+        self.images, self.rho, self.dim, self.q = images, rho, dim, 60
+        self.b = self.rng.standard_normal((self.q, dim)) / math.sqrt(self.q * dim)
+        self.mu: dict[int, torch.Tensor] = {}
+        self.route_mu: dict[tuple[str, int, int], torch.Tensor] = {}
+        self.true_gap: dict[tuple[str, int, int], float] = {}
+        for i in range(images):
+            base = torch.tensor(self.rng.standard_normal(dim))
+            self.mu[i] = base / base.norm()
+        for (route, b), gap in gaps.items():
+            for i in range(images):
+                g = float(np.clip(gap + spread * self.rng.standard_normal(), 0.0, 1.0))
+                orth = torch.tensor(self.rng.standard_normal(dim))
+                orth -= (orth @ self.mu[i]) * self.mu[i]
+                c = 1.0 - g
+                self.route_mu[route, b, i] = 0.9 * (c * self.mu[i] + math.sqrt(1 - c * c) * orth / orth.norm())
+                self.true_gap[route, b, i] = g
+        self.xi: dict[tuple[int, int], np.ndarray] = {}
+        self.draws = 4
+        self.calls = 0
+
+    def num_images(self) -> int:
+        return self.images
+
+    def cost(self, arm: Arm | None) -> float:
+        return 1.0 if arm is None else arm.ratio**2
+
+    def native(self, image: int, b: int) -> torch.Tensor:
+        self.calls += 1
+        self.xi[image, b] = self.rng.standard_normal((self.draws, self.q))
+        return self.mu[image] + torch.from_numpy(self.xi[image, b] @ self.b)
+
+    def route(self, image: int, b: int, arm: Arm) -> torch.Tensor:
+        eta = self.rng.standard_normal((self.draws, self.q))
+        zeta = self.rho * self.xi[image, b] + math.sqrt(1 - self.rho**2) * eta
+        return self.route_mu[arm.name, b, image] + torch.from_numpy(zeta @ self.b)
+
+
+ROUTE = latent_arm(0.75)
+
+
+def test_u_statistics_are_unbiased_and_the_estimate_recovers_the_gap():
+    source = SyntheticDraws({(ROUTE.name, 0): 0.1}, 40, rho=0.9, seed=3, spread=0.0)
+    estimates = [paired_excess(source.native(i, 0), source.route(i, 0, ROUTE)) for i in range(40)]
+    assert np.mean(estimates) == pytest.approx(0.1, abs=0.01)
+    x = torch.randn(6, 50, generator=torch.Generator().manual_seed(4), dtype=torch.float64)
+    brute = sum(float(x[i] @ x[j]) for i in range(6) for j in range(6) if i != j) / 30
+    assert u_inner(x, x) == pytest.approx(brute)
+
+
+def _estimate_spread(rho: float) -> float:
+    """SD of one image's estimate over redraws of its noise (the image and its gap fixed)."""
+    values = []
+    for rep in range(150):
+        source = SyntheticDraws({(ROUTE.name, 0): 0.03}, 1, rho=rho, seed=11, spread=0.0)
+        source.rng = np.random.default_rng(1000 + rep)
+        values.append(paired_excess(source.native(0, 0), source.route(0, 0, ROUTE)))
+    return float(np.std(values))
+
+
+def test_paired_noise_reduces_the_estimates_variance():
+    paired, independent = _estimate_spread(0.9), _estimate_spread(0.0)
+    print(
+        f"per-image SD over noise redraws: paired (rho 0.9) {paired:.4f}, independent {independent:.4f}, variance ratio {(paired / independent) ** 2:.3f}"
+    )
+    assert (paired / independent) ** 2 < 0.4
+
+
+# -- the confidence sequence ------------------------------------------------------------------------------
+
+
+DEFAULT_LOOKS = Looks()
+
+
+def _sequential_test(gap: float, seed: int, margin: float = 0.05, looks: Looks = DEFAULT_LOOKS) -> tuple[str, float, float]:
+    """One bin tested to its verdict with optional stopping: (verdict, upper bound, true mean gap)."""
+    source = SyntheticDraws({(ROUTE.name, 0): gap}, looks.last, rho=0.9, seed=seed)
+    values: list[float] = []
+    for n in looks.at:
+        while len(values) < n:
+            i = len(values)
+            values.append(paired_excess(source.native(i, 0), source.route(i, 0, ROUTE)))
+        bound = read(values, looks)
+        found = verdict(bound, margin, looks)
+        if found is not None:
+            break
+    true = float(np.mean([source.true_gap[ROUTE.name, 0, i] for i in range(looks.last)]))
+    return found, bound.upper, true
+
+
+def test_coverage_under_optional_stopping_and_false_safe_rate_are_within_alpha():
+    # gap exactly at ε: the hardest truly-unsafe bin; a fresh image population per repetition.
+    runs = [_sequential_test(0.05, seed) for seed in range(200)]
+    false_safe = np.mean([v == SAFE for v, _, _ in runs])
+    coverage = np.mean([true <= ub for _, ub, true in runs])
+    print(f"gap = ε: false-safe rate {false_safe:.3f}, coverage of the stopped upper bound {coverage:.3f} (α = 0.05, 200 bins)")
+    assert false_safe <= 0.05
+    assert coverage >= 0.95
+    safe_runs = [_sequential_test(0.01, seed) for seed in range(60)]
+    assert np.mean([v == SAFE for v, _, _ in safe_runs]) > 0.9  # and a clearly safe bin is certified
+
+
+def test_verdicts_at_a_look():
+    looks = Looks((4, 8), 0.05)
+    assert verdict(read([0.0, 0.01, 0.0, 0.01], looks), 0.05, looks) == SAFE
+    assert verdict(read([0.5, 0.51, 0.5, 0.49], looks), 0.05, looks) == UNSAFE
+    assert verdict(read([0.3, -0.1, 0.4, 0.0], looks), 0.05, looks) == FUTILE
+    assert verdict(read([0.03, 0.0, 0.05, 0.0], looks), 0.05, looks) is None  # open: might still settle
+    with pytest.raises(ValueError, match="strictly increasing"):
+        Looks((4, 4))
+
+
+# -- the search ---------------------------------------------------------------------------------------------
+
+BINS = parse_bins("0,0.5,1:0.5,0.9,2:0.9,1,2", endpoint=False)  # 5 bins, top = index 4
+
+
+def _profile(route: str, top_down: list[float]) -> dict[tuple[str, int], float]:
+    return {(route, 4 - k): g for k, g in enumerate(top_down)}
+
+
+def test_search_runs_top_down_stops_at_the_edge_and_spot_checks_below():
+    mild, deep = latent_arm(0.875), latent_arm(0.5)
+    gaps = {**_profile(mild.name, [0.005, 0.005, 0.3, 0.3, 0.3]), **_profile(deep.name, [0.3, 0.3, 0.3, 0.3, 0.3])}
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=5)
+    settings = CertifySettings(budget=10_000, spot_checks=1)
+    result = run_certify(source, [mild, deep], BINS, settings, mass=lambda lo, hi: hi - lo)
+    mild_rows = {t.bin: t for t in result.rows(mild)}
+    assert [mild_rows[b].verdict for b in (4, 3)] == [SAFE, SAFE]
+    assert not mild_rows[2].safe and mild_rows[2].verdict != UNTESTED  # the edge
+    assert mild_rows[1].spot and not mild_rows[1].safe and mild_rows[0].verdict == UNTESTED
+    deep_rows = {t.bin: t for t in result.rows(deep)}
+    assert deep_rows[4].verdict in (UNSAFE, FUTILE) and deep_rows[3].spot and deep_rows[2].verdict == UNTESTED
+    assert deep_rows[4].bound.n == 4  # settled at the first look: the clearly unsafe route costs 4 images
+    assert result.spent == pytest.approx(sum(t.cost for t in result.tests) + 4 * source.calls)
+    assert result.to_json()["cost"]["native_step_equivalents"] == result.spent
+
+
+def test_the_budget_is_never_exceeded_and_open_tests_end_not_safe():
+    gaps = _profile(ROUTE.name, [0.02, 0.02, 0.02, 0.3, 0.3])
+    result = run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=6), [ROUTE], BINS, CertifySettings(budget=40), mass=lambda lo, hi: hi - lo)
+    assert result.spent <= 40
+    assert [t.verdict for t in result.tests] == [BUDGET] and "budget" in result.notes[0]
+
+
+def test_value_orders_the_routes_and_zero_mass_bins_are_never_tested():
+    mild, mid = latent_arm(0.875), latent_arm(0.75)
+    gaps = {**_profile(mild.name, [0.005] * 5), **_profile(mid.name, [0.005] * 5)}
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=7)
+    top_only = lambda lo, hi: 1.0 if lo >= 0.9 else 0.0  # noqa: E731
+    result = run_certify(source, [mild, mid], BINS, CertifySettings(budget=10_000), mass=top_only)
+    assert {t.bin for t in result.tests} == {3, 4}
+    first = result.tests[0]
+    assert first.route == mid.name or first.bin == result.tests[1].bin  # the larger saving first, or both in one group
+
+
+# -- on the lab trainer's own step -------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def tiny_lab():
+    from downscale_plugin.hosts.lab.map_backend import LabBackend, LabMapConfig
+    from downscale_plugin.lab.model import LabModelConfig
+
+    tiny = LabModelConfig(hidden_size=32, num_heads=2, double_layers=1, single_layers=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield LabBackend(LabMapConfig(model=tiny, pretrained=False, native_hw=(16, 16), warm_steps=3), images=4, progress=False)
+    torch.set_num_threads(threads)
+
+
+def test_the_lab_trainer_trains_on_the_injected_noise(tiny_lab):
+    from downscale_plugin.lab import flux_utils
+
+    probe = tiny_lab.probes[0]
+    x = probe["latents"]
+    noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(9))
+    with injected_noise(lambda shape: noise):
+        got = tiny_lab.loss(0, tiny_lab.arm_input(0, Arm("native_a", "native")), 0.7).detach()
+    l_pooled, t5_out, txt_ids, _ = probe["text_encoder_outputs_list"]
+    pred = tiny_lab.model(img=flux_utils.pack_latents(0.3 * x + 0.7 * noise), img_ids=flux_utils.prepare_img_ids(1, 8, 8), txt=t5_out,
+                          txt_ids=txt_ids, y=l_pooled, timesteps=torch.tensor([0.7]))  # fmt: skip
+    want = torch.nn.functional.mse_loss(flux_utils.unpack_latents(pred, 8, 8), noise - x)
+    assert got.item() == pytest.approx(want.item(), rel=1e-5)
+
+
+def test_backend_draws_are_paired_reproducible_and_leave_the_run_untouched(tiny_lab):
+    from downscale_plugin.mapping.certify import BackendDraws
+
+    bins, route = parse_bins("0,0.5,1"), latent_arm(0.75)
+    state = torch.get_rng_state()
+    paired = BackendDraws(tiny_lab, bins, draws=2, seed=0)
+    native = paired.native(1, 1)
+    routed = paired.route(1, 1, route)
+    assert torch.equal(torch.get_rng_state(), state) and {p.grad is None for p in tiny_lab.params} == {True}
+    assert native.shape == routed.shape == (2, sum(p.numel() for p in tiny_lab.params))
+    assert paired.cost(route) == 144 / 256  # 16x16 -> 12x12: the token fraction of the grid run
+    again = BackendDraws(tiny_lab, bins, draws=2, seed=0)
+    again.native(1, 1)
+    assert torch.equal(again.route(1, 1, route), routed)
+    unpaired = BackendDraws(tiny_lab, bins, draws=2, seed=0, paired=False)
+    assert torch.equal(unpaired.native(1, 1), native) and not torch.equal(unpaired.route(1, 1, route), routed)
+
+
+def test_certify_command_writes_the_windows_and_the_evidence(tiny_lab, tmp_path, monkeypatch, capsys):
+    import json
+
+    import toml
+
+    from downscale_plugin.__main__ import main
+    from downscale_plugin.config import load_config
+    from downscale_plugin.mapping import certify_cli
+    from downscale_plugin.mapping.cli import SOURCES, MapSource
+
+    source = MapSource("tinylab", "the tiny lab", lambda group: None, (), lambda args, arms: ([], lambda: tiny_lab, {"tiny": True}, []))
+    monkeypatch.setitem(SOURCES, "tinylab", source)
+    monkeypatch.setitem(certify_cli.SIGMA_MASSES, "tinylab", lambda backend: ((lambda lo, hi: hi - lo), "uniform σ"))
+    argv = ["certify", "--tinylab", "--ratios", "0.75,0.5", "--bins", "0,0.5,1", "--draws", "2", "--looks", "2,3"]
+    assert main([*argv, "--budget", "40", "--margin", "0.5", "--no_progress", "--out", str(tmp_path)]) == 0
+    blob = json.loads((tmp_path / "certify.json").read_text())
+    assert 0 < blob["cost"]["native_step_equivalents"] <= 40 and blob["cost"]["full_map_native_step_equivalents"] > 40
+    rows = {(b["route"], b["label"]): b for b in blob["bins"]}
+    assert set(rows) == {(r, label) for r in ("latent_0.75", "latent_0.5") for label in ("(0,0.5]", "(0.5,1]", "σ=1")}
+    top = rows["latent_0.75", "(0.5,1]"]
+    assert top["verdict"] in ("safe", "unsafe", "futile", "inconclusive", "budget") and len(top["evidence"]["excess"]) >= 2
+    assert rows["latent_0.75", "σ=1"]["verdict"] == "untested"  # no sampler mass at σ = 1: never worth a pass
+    load_config(plugin_toml=toml.load(tmp_path / "windows.toml"))
+    out = capsys.readouterr().out
+    assert "native-step equivalents" in out and "latent_0.5" in out
+    assert main([*argv, "--budget", "0", "--out", str(tmp_path)]) == 2
+    assert "budget: 0" in capsys.readouterr().err
+    # A later run adds evidence to the saved file; other settings or another model are refused, naming the difference.
+    saved = tmp_path / "certify.json"
+    again = [*argv, "--margin", "0.5", "--no_progress", "--resume", str(saved)]
+    assert main([*again, "--budget", "20", "--out", str(tmp_path / "more")]) == 0
+    more = json.loads((tmp_path / "more" / "certify.json").read_text())
+    assert more["cost"]["native_step_equivalents"] == pytest.approx(blob["cost"]["native_step_equivalents"] + more["cost"]["this_run"])
+    assert main([*argv, "--margin", "0.4", "--resume", str(saved), "--out", str(tmp_path / "x")]) == 2
+    assert "margin is 0.5 in the saved result, 0.4 now" in capsys.readouterr().err
+    blob["provenance"]["backend"]["arch"] = "sdxl"
+    saved.write_text(json.dumps(blob))
+    assert main([*again, "--out", str(tmp_path / "x")]) == 2
+    assert "arch: the saved evidence is for 'sdxl', this backend is 'flux'" in capsys.readouterr().err
+    assert main([*again, "--windows_foreign", "warn", "--out", str(tmp_path / "x")]) == 0
+    assert "warning: resume: arch" in capsys.readouterr().err
+
+
+def test_a_later_run_adds_evidence_to_a_saved_result_instead_of_starting_over():
+    from downscale_plugin.mapping.certify import load_tests
+
+    gaps = _profile(ROUTE.name, [0.005, 0.02, 0.02, 0.3, 0.3])
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=8)
+    first = run_certify(source, [ROUTE], BINS, CertifySettings(budget=45, spot_checks=0), mass=lambda lo, hi: hi - lo)
+    assert [t.verdict for t in first.tests][-1] == BUDGET
+    saved = {(t.route, t.bin): (list(t.values), t.verdict) for t in first.tests}
+    later = run_certify(
+        source, [ROUTE], BINS, CertifySettings(budget=400, spot_checks=0), lambda lo, hi: hi - lo, prior=load_tests(first.to_json())
+    )
+    for t in later.tests:
+        if (t.route, t.bin) in saved:
+            values, was = saved[t.route, t.bin]
+            assert t.values[: len(values)] == values  # the saved evidence is the start of the sequence
+            if was != BUDGET:
+                assert t.values == values and t.verdict == was  # a settled bin is not measured again
+    assert all(t.verdict != BUDGET for t in later.tests) and later.spent <= 400
+
+
+# -- windows that travel -------------------------------------------------------------------------------------
+
+
+def test_windows_provenance_names_every_mismatch_and_warn_is_a_choice():
+    from downscale_plugin.config import ConfigError, foreign_windows, load_config
+
+    plugin = {
+        "routes": [{"scale": 0.875, "sigma_min": 0.9}],
+        "windows_model": "lab:e22f",
+        "windows_arch": "flux",
+        "windows_native": "64x64",
+    }
+    cfg = load_config(plugin_toml=plugin)
+    assert foreign_windows(cfg.windows, "lab:e22f", "flux", [(64, 64), (48, 80)], 0.1) == []
+    problems = foreign_windows(cfg.windows, "other", "sd3", [(32, 32)], 0.1)
+    assert [p.split(":")[0] for p in problems] == ["windows_model", "windows_arch", "windows_native"]
+    assert "'lab:e22f'" in problems[0] and "'other'" in problems[0] and "32x32" in problems[2]
+    assert foreign_windows(cfg.windows, None, "flux", [], 0.1) == []  # a host that cannot identify its model checks the rest
+    assert cfg.windows.foreign == "error" and load_config(plugin_toml={**plugin, "windows_foreign": "warn"}).windows.foreign == "warn"
+    with pytest.raises(ConfigError, match="windows_foreign"):
+        load_config(plugin_toml={**plugin, "windows_foreign": "ignore"})
+
+
+def test_a_run_refuses_windows_certified_for_another_model_unless_told_to_warn(caplog):
+    from types import SimpleNamespace
+
+    from downscale_plugin.config import load_config
+    from downscale_plugin.hosts.sd_scripts.facts import HostError
+    from downscale_plugin.hosts.sd_scripts.start import check_windows
+
+    plugin = {"routes": [{"scale": 0.875, "sigma_min": 0.9}], "windows_model": "1234abcd", "windows_native": "128x128"}
+    buckets = SimpleNamespace(latent_buckets=[(128, 128), (112, 144)])
+    check_windows(load_config(plugin_toml=plugin), "1234abcd", "flux", buckets)  # its own model: used
+    with pytest.raises(HostError, match="windows_model: the windows were certified on model '1234abcd', this run's model is 'ffff0000'"):
+        check_windows(load_config(plugin_toml=plugin), "ffff0000", "flux", buckets)
+    with caplog.at_level("WARNING"):
+        check_windows(
+            load_config(plugin_toml={**plugin, "windows_foreign": "warn"}), "ffff0000", "flux", SimpleNamespace(latent_buckets=[(64, 64)])
+        )
+    assert "windows_model" in caplog.text and "windows_native" in caplog.text and "using the windows anyway" in caplog.text

@@ -21,6 +21,10 @@ _EXPORTS = {
     # sd-scripts' --network_module entry points
     "create_network": ".hosts.sd_scripts",
     "create_network_from_weights": ".hosts.sd_scripts",
+    # musubi-tuner's (it calls create_arch_network, and prepare_network when the module has one)
+    "create_arch_network": ".hosts.musubi",
+    "create_arch_network_from_weights": ".hosts.musubi",
+    "prepare_network": ".hosts.musubi",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -252,3 +252,58 @@ def plugin_config(plugin_keys: Mapping[str, str], args: Any) -> DownscaleConfig:
     config_file = getattr(args, "config_file", None)
     base_dir = os.path.dirname(os.path.abspath(config_file)) if config_file else "."
     return load_config(plugin_keys, getattr(args, "downscale", None), base_dir=base_dir)
+
+
+def model_identity(args: Any) -> str | None:
+    """The base model's identity for windows provenance: the webui model hash sd-scripts writes as
+    ``ss_sd_model_hash`` (sha256 of the 64 KiB at 1 MiB, 8 hex digits) of ``pretrained_model_name_or_path``;
+    None when that is no readable file (a hub name or a diffusers folder: the model is then not compared)."""
+    import hashlib
+
+    path = getattr(args, "pretrained_model_name_or_path", None)
+    if not path or not os.path.isfile(path):
+        return None
+    try:
+        with open(path, "rb") as fh:
+            fh.seek(0x100000)
+            return hashlib.sha256(fh.read(0x10000)).hexdigest()[:8]
+    except OSError:
+        return None
+
+
+def inner_name(plugin_keys: Mapping[str, str], args: Any) -> str | None:
+    """The requested inner module: in a run (``args``: the trainer's) from any config source,
+    validating it, else the ``inner=`` network arg."""
+    return plugin_config(plugin_keys, args).inner if args is not None else plugin_keys.get("inner")
+
+
+def import_inner(
+    name: str | None,
+    denoiser: Any,
+    by_denoiser: Mapping[str, str],
+    known: Sequence[str],
+    entries: Sequence[Sequence[str]],
+    error: type[Exception],
+) -> tuple[str, ModuleType]:
+    """Import the inner network module: ``name``, else the host's module for this denoiser class.
+
+    ``entries``: groups of entry-point names; the module must have a callable of every group (the
+    names the host trainer calls). ``error`` is the host's own error type."""
+    choices = ", ".join(known)
+    if name is None:
+        name = by_denoiser.get(type(denoiser).__name__)
+        if name is None:
+            raise error(
+                f"inner: cannot tell the inner network module from the denoiser class {type(denoiser).__name__!r} "
+                f"(known: {', '.join(by_denoiser)}); set inner=MODULE in --network_args (choices: {choices})"
+            )
+    if name.split(".")[0] == __name__.split(".")[0]:
+        raise error(f"inner: {name!r} is this plugin itself; choose a LoRA module (choices: {choices})")
+    try:
+        module = importlib.import_module(name)
+    except ImportError as err:
+        raise error(f"inner: cannot import {name!r} ({err}); choices: {choices}") from err
+    missing = [" or ".join(group) for group in entries if not any(callable(getattr(module, f, None)) for f in group)]
+    if missing:
+        raise error(f"inner: {name!r} has no {' or '.join(missing)}: not a network module; choices: {choices}")
+    return name, module

@@ -14,45 +14,25 @@ that import this module only delegate.
 
 from __future__ import annotations
 
-import importlib
 from types import ModuleType
 from typing import Any
 
-from ..kohya import network_args_dict, plugin_config, split_network_args
+from ..kohya import import_inner, inner_name, network_args_dict, split_network_args
 from .facts import INNER_BY_DENOISER, KNOWN_INNERS, HostError
-from .trainer import TrainerContext, find_trainer
+from .trainer import find_trainer
+
+ENTRIES = (("create_network",), ("create_network_from_weights",))  # what sd-scripts' trainers call
 
 
 def inner_module(name: str | None, unet: Any) -> tuple[str, ModuleType]:
-    """Import the inner module: ``name``, else the one for this denoiser class."""
-    if name is None:
-        name = INNER_BY_DENOISER.get(type(unet).__name__)
-        if name is None:
-            raise HostError(
-                f"inner: cannot tell the inner network module from the denoiser class {type(unet).__name__!r} "
-                f"(known: {', '.join(INNER_BY_DENOISER)}); set inner=MODULE in --network_args (choices: {', '.join(KNOWN_INNERS)})"
-            )
-    if name.split(".")[0] == __name__.split(".")[0]:
-        raise HostError(f"inner: {name!r} is this plugin itself; choose a LoRA module (choices: {', '.join(KNOWN_INNERS)})")
-    try:
-        module = importlib.import_module(name)
-    except ImportError as err:
-        raise HostError(f"inner: cannot import {name!r} ({err}); choices: {', '.join(KNOWN_INNERS)}") from err
-    missing = [f for f in ("create_network", "create_network_from_weights") if not callable(getattr(module, f, None))]
-    if missing:
-        raise HostError(f"inner: {name!r} has no {' or '.join(missing)}: not a network module; choices: {', '.join(KNOWN_INNERS)}")
-    return name, module
-
-
-def _inner_name(plugin_keys: dict[str, str], ctx: TrainerContext | None) -> str | None:
-    """The requested inner module: in a run from any config source (validating it), else ``inner=``."""
-    return plugin_config(plugin_keys, ctx.args).inner if ctx is not None else plugin_keys.get("inner")
+    """Import the inner module: ``name``, else the one for this denoiser class (both entries sd-scripts calls)."""
+    return import_inner(name, unet, INNER_BY_DENOISER, KNOWN_INNERS, ENTRIES, HostError)
 
 
 def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs):
     ctx = find_trainer()
     plugin_keys, inner_kwargs = split_network_args(kwargs)
-    name, module = inner_module(_inner_name(plugin_keys, ctx), unet)
+    name, module = inner_module(inner_name(plugin_keys, ctx.args if ctx is not None else None), unet)
     network = module.create_network(
         multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=neuron_dropout, **inner_kwargs
     )
@@ -66,7 +46,7 @@ def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weigh
     if ctx is not None and for_inference and not kwargs:
         # A --base_weights merge gets no network_args (train_network.py merges --base_weights before it parses them); the run's own inner= still applies.
         config_keys = split_network_args(network_args_dict(getattr(ctx.args, "network_args", None)))[0]
-    name, module = inner_module(_inner_name(config_keys, ctx), unet)
+    name, module = inner_module(inner_name(config_keys, ctx.args if ctx is not None else None), unet)
     network, weights_sd = module.create_network_from_weights(
         multiplier, file, vae, text_encoder, unet, weights_sd=weights_sd, for_inference=for_inference, **inner_kwargs
     )

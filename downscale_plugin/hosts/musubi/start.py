@@ -1,0 +1,232 @@
+"""One musubi-tuner training run with the plugin: what ``prepare_network(args)`` installs (docs/ARCHITECTURE.md §3, §5).
+
+``NetworkTrainer._build_network`` calls it with the final args, after creating the network and before
+``apply_to``, the optimizer, ``accelerator.prepare`` and the loop (training/trainer_base.py). It validates
+the config, detects the architecture, checks the hook points and what the run trains on, builds the
+router and the accounting, and installs, each recorded in the run's patches (``DownscaleRun.patches``):
+
+- the step hook on the trainer instance's ``process_batch`` (``hook.ProcessBatchHook``), and the step
+  logs' ``downscale/*`` scalars on its ``generate_step_logs``;
+- ``ss_downscale_*`` metadata on every ``save_weights`` of the inner network (weights untouched);
+- the start banner (main process) and the end summary at ``accelerator.end_training``, which every rank
+  calls after the loop and before the main process's last save;
+- the plugin's counts saved with ``--save_state`` and restored with ``--resume`` (accelerate state hooks).
+
+The router's forward index is the plugin's own count: musubi-tuner restarts ``global_step`` at 0 on
+``--resume`` and has no initial step to skip to, so forward n of a resumed run is absolute forward
+(the forwards counted in the resumed state) + n, and spans, the coupled gate's step draws and spread
+coins go on where the saved run stopped; T stays ``max_train_steps`` × accumulation.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import sys
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from ...accounting import Accounting
+from ...arch import get_arch
+from ...config import FasterDitConfig
+from ...plan import format_plan, plan_table
+from ...rng import accelerator_devices
+from ...router import RouteDecision, Router
+from ..kohya import plugin_config
+from ..sd_scripts.run import COUNTS_FILE, DownscaleRun, Routing, show, version
+from .buckets import MusubiBuckets, musubi_buckets
+from .facts import BASE_TRAINER, SUPPORTED, HostError, MusubiArch, trainer_arch
+from .family import MusubiFamily, PlanSampler
+from .hook import ProcessBatchHook
+from .trainer import TrainerContext, check_methods, check_run, find_trainer
+
+logger = logging.getLogger(__name__)
+
+PLAN_MC_SAMPLES = 8192  # σ draws per bucket for the banner's predicted fractions where no exact law is known
+LOGS_METHOD = "generate_step_logs"
+
+
+class ResumedForwards:
+    """The adapter's train forwards before this run (per rank), from the plugin's counts in the state that
+    ``--resume`` loads: every rank reads them at ``accelerator.load_state``, which the trainer runs after
+    ``prepare_network`` and before the loop (training/trainer_base.py). The counts are cross-rank sums."""
+
+    def __init__(self, world_size: int):
+        self.world_size = world_size
+        self.forwards = 0
+
+    def load(self, models: Any, input_dir: str) -> None:
+        path = os.path.join(input_dir, COUNTS_FILE)
+        if os.path.isfile(path):
+            with open(path, encoding="utf-8") as f:
+                self.forwards = round(sum(json.load(f)["counts"]["steps"]) / self.world_size)
+
+
+class MusubiRouter(Router):
+    """Reads T = ``max_train_steps`` × accumulation and the resumed forwards at the first train step: the
+    trainer recomputes ``max_train_steps`` from ``--max_train_epochs`` and resumes after ``prepare_network``
+    (training/trainer_base.py). Forward n of this run is absolute forward (resumed forwards) + n."""
+
+    host: tuple[Any, ResumedForwards] | None = None
+
+    def route(self, *args, **kwargs) -> RouteDecision:
+        if self.host is not None:
+            host_args, resumed = self.host
+            self.total_forwards = _forwards(host_args)
+            self.resume_offset = resumed.forwards
+            self.host = None
+        return super().route(*args, **kwargs)
+
+
+@dataclass(frozen=True)
+class FramesFlops:
+    """An architecture's per-frame FLOP model run on F latent frames: a video DiT attends over all
+    F × (tokens of one frame) at once, so the cost is the model's at F·N, not F times its cost at N.
+    The router and the token counts work per frame (F is never resized, so token ratios are F-free)."""
+
+    base: Any  # anything with flops(n_image_tokens)
+    frames: float
+
+    def flops(self, n_image_tokens: float) -> float:
+        return self.base.flops(self.frames * n_image_tokens)
+
+
+def run_flops(arch: str, buckets: MusubiBuckets) -> Any:
+    """The run's FLOP model: the arch's at the run's latent frames (their step-weighted mean when buckets differ)."""
+    base = get_arch(arch).flops
+    total = sum(buckets.weights)
+    frames = sum(f * w for f, w in zip(buckets.frames, buckets.weights, strict=True)) / total if total else 1.0
+    return base if frames == 1.0 else FramesFlops(base, frames)
+
+
+def _forwards(args: Any) -> int:
+    return int(args.max_train_steps) * int(getattr(args, "gradient_accumulation_steps", 1) or 1)
+
+
+def refuse_unsupported(cfg: Any) -> None:
+    """Features whose host handles this package does not provide: refused by key, not silently ignored."""
+    problems = []
+    if cfg.mode != "train":
+        problems.append(f'mode = "{cfg.mode}": the in-run map is not available on musubi-tuner; use mode = "train" with routes')
+    defaults = FasterDitConfig()
+    for key in ("direction_loss_weight", "direction_loss_only_routed", "sigma_policy", "positions"):
+        if getattr(cfg.fasterdit, key) != getattr(defaults, key):
+            problems.append(f"{key}: not available on musubi-tuner yet (allowed: {getattr(defaults, key)!r})")
+    if problems:
+        raise HostError("; ".join(problems))
+
+
+def noise_scheduler(trainer: Any, args: Any) -> Any:
+    """The scheduler the loop builds, ``FlowMatchDiscreteScheduler(shift=--discrete_flow_shift, reverse=True,
+    solver="euler")``, from the trainer base class's own module (the plan's scheduler-grid σ)."""
+    base = next(cls for cls in type(trainer).__mro__ if cls.__name__ == BASE_TRAINER)
+    return sys.modules[base.__module__].FlowMatchDiscreteScheduler(shift=args.discrete_flow_shift, reverse=True, solver="euler")
+
+
+def _shared_seed(seed: int, accelerator: Any) -> int:
+    """Rank 0's seed on every rank (an unseeded run draws ``args.seed`` per process, training/trainer_base.py)."""
+    if int(accelerator.num_processes) <= 1:
+        return seed
+    mine = torch.tensor([seed if int(accelerator.process_index) == 0 else 0], dtype=torch.int64, device=accelerator.device)
+    return int(accelerator.reduce(mine, reduction="sum").item())
+
+
+def routing(
+    ctx: TrainerContext, family: MusubiFamily, cfg: Any, arch: str, seed: int, buckets: MusubiBuckets, resumed: ResumedForwards
+) -> Routing:
+    """The router, the banner's plan (main process) and the accounting for ``cfg``'s routes."""
+    args, accelerator = ctx.args, ctx.accelerator
+    router = MusubiRouter.from_config(cfg, arch, seed, total_forwards=_forwards(args), devices=accelerator_devices(accelerator.device))
+    router.host = (args, resumed)
+    plan = None
+    flops = run_flops(arch, buckets)
+    if int(accelerator.process_index) == 0 and buckets.latent_buckets:
+        sampler = PlanSampler(family, args, noise_scheduler(ctx.trainer, args), ctx.dit_dtype or torch.bfloat16)
+        plan = plan_table(
+            cfg, arch, sampler, buckets.latent_buckets, buckets.batch_size, buckets.weights,
+            flop_model=flops, total_forwards=_forwards(args), mc_samples=PLAN_MC_SAMPLES, seed=0,
+            world_size=int(accelerator.num_processes),
+        )  # fmt: skip
+    accounting = Accounting(
+        cfg.routes,
+        flops,
+        plan.probs if plan else None,
+        predicted_flop_saving=plan.flop_saving if plan else None,
+        token_values=Accounting.vocabulary(buckets.latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
+        sigma_policy=cfg.fasterdit.sigma_policy,
+    )
+    return Routing(router, plan, accounting)
+
+
+def _sampler_text(args: Any) -> str:
+    extra = f", min/max_timestep {args.min_timestep}/{args.max_timestep}" if args.min_timestep or args.max_timestep else ""
+    return f"host {BASE_TRAINER}.get_noisy_model_input_and_timesteps (timestep_sampling={args.timestep_sampling}{extra})"
+
+
+def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> DownscaleRun | None:
+    """``prepare_network``: validate, detect, check, build the router and accounting, install everything."""
+    cfg = plugin_config(plugin_keys, args)
+    if not cfg.enable:
+        logger.info("downscale_plugin: enable = false; training the inner network %s unchanged", inner)
+        return None
+    ctx = find_trainer()
+    if ctx is None or ctx.accelerator is None:
+        raise HostError(
+            f"prepare_network: no musubi-tuner NetworkTrainer._build_network (with its accelerator) in the calling frames; {SUPPORTED}"
+        )
+    record = trainer_arch(ctx.trainer)
+    if cfg.arch is not None and cfg.arch != record.arch:
+        raise HostError(
+            f"arch: the config says {cfg.arch!r} but this run is {record.arch!r} ({type(ctx.trainer).__name__}); remove arch or fix it"
+        )
+    refuse_unsupported(cfg)
+    check_methods(ctx.trainer)
+    check_run(ctx, record, cfg.gate)
+    family = MusubiFamily(ctx.trainer, record)
+    accelerator = ctx.accelerator
+    rank, world = int(accelerator.process_index), int(accelerator.num_processes)
+    seed = _shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
+    buckets = musubi_buckets(ctx.dataset_group, get_arch(record.arch).vae_factor, record.frame_stride)
+    resumed = ResumedForwards(world)
+    run = DownscaleRun(cfg, record.arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, record.arch, seed, buckets, resumed))
+    hook = ProcessBatchHook(run.router, family, rank=rank, world_size=world, on_step=run.on_step)
+    run.hook = hook
+    hook.install(ctx.trainer, run.patches)
+    _wrap_logs(ctx.trainer, run)
+    run.install_state_hooks()  # counts saved with --save_state, restored (main process) on --resume
+    run.patches.on_undo(accelerator.register_load_state_pre_hook(resumed.load).remove)
+    run.install_save_and_end(network, args)
+    if rank == 0:
+        show(_banner(run, record, ctx, args, buckets), "start banner")
+    network.downscale_run = run
+    return run
+
+
+def _banner(run: DownscaleRun, record: MusubiArch, ctx: TrainerContext, args: Any, buckets: MusubiBuckets) -> str:
+    cfg = run.cfg
+    frames = (
+        f"; latent frames {', '.join(f'{f:g}' for f in buckets.frames)} per bucket (never resized; the FLOP model runs F × frame tokens)"
+        if any(f > 1 for f in buckets.frames)
+        else ""
+    )
+    head = (
+        f"downscale_plugin {version()}: {record.arch} ({type(ctx.trainer).__name__}), inner network {run.inner}, gate {cfg.gate}, "
+        f"seed {run.seed}, {run.world_size} process(es); σ from {_sampler_text(args)}; positions: {record.positions}{frames}"
+    )
+    rules = "\n".join(f"  r{i} {r.label} {r.window_text()} {r.span or ''}" for i, r in enumerate(cfg.routes))
+    return f"{head}\n{format_plan(run.plan) if run.plan else rules}"
+
+
+def _wrap_logs(trainer: Any, run: DownscaleRun) -> None:
+    """The host's step logs (main process, only with trackers) get the step's loss per route and the ``downscale/*`` scalars."""
+    original = getattr(trainer, LOGS_METHOD)
+
+    def generate_step_logs(*args: Any, **kwargs: Any) -> dict:
+        logs = original(*args, **kwargs)
+        run.step_logs(logs, args[1] if len(args) > 1 else kwargs.get("current_loss"))
+        return logs
+
+    run.patches.set(trainer, LOGS_METHOD, generate_step_logs)

@@ -1,0 +1,375 @@
+"""The plugin inside the real musubi-tuner trainers (skipped unless ``MUSUBI_DIR`` points at a checkout, main 30c658c4).
+
+Tiny Wan and Qwen-Image DiTs built from musubi-tuner's own classes (``WanModel``,
+``QwenImageTransformer2DModel``) go through the real trainers' ``_build_network`` (``--network_module
+downscale_plugin``, the real ``networks.lora_wan`` / ``networks.lora_qwen_image`` auto-detected) and
+then, step by step as ``_run_training_loop`` does (``scale_shift_latents``, ``torch.randn_like``, then
+``process_batch``, backward, optimizer step), the real ``process_batch`` → sampler → ``call_dit`` →
+``compute_loss``. Checked: routed steps run the DiT at the small grid with F unchanged; a run whose
+routes never fire is bitwise the plain inner network's run; Wan 2.2's two experts each run on the
+expert their σ names; the family's dry draw and exact laws are the real sampler's; the example config
+reaches the plugin through musubi-tuner's TOML reader. And the whole ``NetworkTrainer.train`` of
+Qwen-Image on items written by musubi-tuner's own cache writers (only the DiT loader replaced):
+routing, the saved LoRA's metadata and loading, and the counts across ``--save_state``/``--resume``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+MUSUBI_DIR = os.environ.get("MUSUBI_DIR")
+pytestmark = pytest.mark.skipif(not MUSUBI_DIR, reason="MUSUBI_DIR (a musubi-tuner checkout) is not set")
+
+ROUTED = "ds_routes=x0.5@0.0-"
+NEVER = "ds_routes=1024:768@0.0-"  # no bucket of these runs is in the 1024 px tier
+
+
+def _host_names() -> list[str]:
+    return [n for n in sys.modules if n.split(".")[0] in ("networks", "musubi_tuner")]
+
+
+@pytest.fixture(scope="module")
+def musubi() -> Iterator[dict]:
+    """musubi-tuner's trainer modules, imported from ``$MUSUBI_DIR/src`` (``networks`` as musubi-tuner resolves it).
+
+    ``wan/modules/t5.py`` evaluates ``torch.cuda.current_device()`` as a default argument at import, which
+    fails on a machine without a GPU; every caller passes ``device=``, so the import runs with it stubbed."""
+    saved = {n: sys.modules.pop(n) for n in _host_names()}
+    src = os.path.join(MUSUBI_DIR, "src")
+    sys.path.insert(0, src)
+    current_device = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        from musubi_tuner import qwen_image_train_network, wan_train_network
+        from musubi_tuner.dataset import cache_io
+        from musubi_tuner.dataset.image_video_dataset import ItemInfo
+        from musubi_tuner.modules.scheduling_flow_match_discrete import FlowMatchDiscreteScheduler
+        from musubi_tuner.qwen_image import qwen_image_utils
+        from musubi_tuner.qwen_image.qwen_image_model import QwenImageTransformer2DModel
+        from musubi_tuner.training.accelerator_setup import prepare_accelerator
+        from musubi_tuner.training.parser_common import setup_parser_common
+        from musubi_tuner.wan.modules.model import WanModel
+    finally:
+        torch.cuda.current_device = current_device
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield dict(
+        wan=wan_train_network, qwen=qwen_image_train_network, qwen_utils=qwen_image_utils, WanModel=WanModel,
+        QwenModel=QwenImageTransformer2DModel, Scheduler=FlowMatchDiscreteScheduler, accelerator=prepare_accelerator,
+        parser=setup_parser_common, cache_io=cache_io, ItemInfo=ItemInfo,
+    )  # fmt: skip
+    torch.set_num_threads(threads)
+    for name in _host_names():
+        del sys.modules[name]
+    sys.modules.update(saved)
+    sys.path.remove(src)
+
+
+class Setup:
+    """One real trainer with a tiny DiT and its network built by ``_build_network``, driven the loop's way."""
+
+    def __init__(self, m: dict, arch: str, tmp_path, *argv: str, module: str = "downscale_plugin", network_args: tuple[str, ...] = ()):
+        self.m, self.arch = m, arch
+        host = m["wan"] if arch == "wan" else m["qwen"]
+        parser = (host.wan_setup_parser if arch == "wan" else host.qwen_image_setup_parser)(m["parser"]())
+        dit = str(tmp_path / "dit.safetensors")
+        common = ["--dit", dit, "--dataset_config", "unused", "--network_module", module, "--network_dim", "4", "--sdpa"]
+        extra = ["--network_args", *network_args] if network_args else []
+        self.args = parser.parse_args([*common, "--mixed_precision", "no", "--seed", "1", *extra, *argv])
+        torch.manual_seed(0)
+        self.model = self._model(dit)
+        self.trainer = host.WanNetworkTrainer() if arch == "wan" else host.QwenImageNetworkTrainer()
+        if arch == "qwen_image":
+            m["qwen_utils"].resolve_model_version_args(self.args)
+        self.trainer.handle_model_specific_args(self.args)
+        self._as_load_transformer()
+        self.accelerator = m["accelerator"](self.args)
+        self.network = self._build()
+        self.network.prepare_grad_etc(self.model)
+        params, _ = self.network.prepare_optimizer_params(unet_lr=1e-2)
+        self.optimizer = torch.optim.SGD(params, lr=1e-2)
+        self.scheduler = m["Scheduler"](shift=self.args.discrete_flow_shift, reverse=True, solver="euler")
+        self.inputs: list[tuple[int, ...]] = []
+        embed = self.model.patch_embedding if arch == "wan" else self.model.img_in
+        embed.register_forward_hook(lambda mod, i, o: self.inputs.append(tuple(i[0].shape)))
+
+    def _model(self, dit: str):
+        from safetensors.torch import save_file
+
+        if self.arch == "wan":
+            model = self.m["WanModel"](dim=48, ffn_dim=64, num_heads=2, num_layers=1, text_len=8, text_dim=32, attn_mode="torch")
+        else:
+            model = self.m["QwenModel"](
+                num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12)
+            )
+        save_file({k: v.contiguous() for k, v in model.state_dict().items()}, dit)  # the trainer reads the DiT's dtype from it
+        return model.requires_grad_(False)
+
+    def _as_load_transformer(self) -> None:
+        """What the trainers' ``load_transformer`` and ``_load_dit_and_swap`` set besides the model (their loaders build full sizes)."""
+        self.trainer.blocks_to_swap = 0
+        self.trainer.num_timestep_buckets = self.args.num_timestep_buckets
+        if self.arch == "wan":
+            self.trainer.current_model_is_high_noise = self.trainer.next_model_is_high_noise = False
+            inactive = self.m["WanModel"](dim=48, ffn_dim=64, num_heads=2, num_layers=1, text_len=8, text_dim=32, attn_mode="torch")
+            self.trainer.dit_inactive_state_dict = inactive.state_dict() if self.trainer.high_low_training else None
+
+    def _build(self):
+        def train():  # _build_network's caller, as NetworkTrainer.train holds these
+            train_dataset_group = None  # noqa: F841
+            dit_dtype = torch.float32  # noqa: F841
+            return self.trainer._build_network(self.args, self.accelerator, self.model, None, torch.float32)
+
+        return train()
+
+    def batch(self, gen: torch.Generator) -> dict:
+        if self.arch == "wan":
+            return {"latents": torch.randn(1, 16, 2, 8, 8, generator=gen), "t5": [torch.randn(5, 32, generator=gen)], "timesteps": None}
+        texts = [torch.randn(5, 32, generator=gen), torch.randn(3, 32, generator=gen)]
+        return {"latents": torch.randn(2, 16, 1, 8, 8, generator=gen), "vl_embed": texts, "timesteps": None}
+
+    def steps(self, n: int) -> list[float]:
+        gen, losses = torch.Generator().manual_seed(3), []
+        torch.manual_seed(5)  # the run's noise and σ stream (set_seed at the start of a real run)
+        for step in range(n):
+            batch = self.batch(gen)
+            latents = self.trainer.scale_shift_latents(batch["latents"])
+            noise = torch.randn_like(latents)
+            loss, _ = self.trainer.process_batch(
+                self.args, self.accelerator, self.model, self.network, batch, latents, noise, self.scheduler,
+                torch.float32, torch.float32, None, step,
+            )  # fmt: skip
+            loss.backward()
+            self.optimizer.step()
+            self.optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        return losses
+
+
+ARGV = {"wan": ("--timestep_sampling", "shift", "--discrete_flow_shift", "3"), "qwen_image": ("--timestep_sampling", "qwen_shift")}
+SMALL = {"wan": (1, 16, 2, 4, 4), "qwen_image": (2, 4, 64)}  # Wan: F = 2 latent frames kept; Qwen-Image: 2×2-packed tokens
+
+
+@pytest.mark.parametrize("arch", list(ARGV))
+def test_routed_steps_run_the_real_dit_at_the_small_grid(musubi, arch, tmp_path):
+    setup = Setup(musubi, arch, tmp_path, *ARGV[arch], network_args=(ROUTED,))
+    losses = setup.steps(3)
+    assert setup.inputs == [SMALL[arch]] * 3 and all(torch.isfinite(torch.tensor(losses)))
+    run = setup.network.downscale_run
+    assert run.inner == {"wan": "networks.lora_wan", "qwen_image": "networks.lora_qwen_image"}[arch]
+    assert run.totals.total_steps == 3 and run.totals.token_saving() == pytest.approx(0.75)
+
+
+@pytest.mark.parametrize("arch", list(ARGV))
+def test_a_run_whose_routes_never_fire_is_bitwise_the_real_hosts(musubi, arch, tmp_path):
+    inner = {"wan": "networks.lora_wan", "qwen_image": "networks.lora_qwen_image"}[arch]
+    plain = Setup(musubi, arch, tmp_path, *ARGV[arch], module=inner)
+    plugin = Setup(musubi, arch, tmp_path, *ARGV[arch], network_args=(NEVER,))
+    assert plugin.steps(3) == plain.steps(3)
+    assert plugin.inputs == plain.inputs
+    mine, theirs = plugin.network.state_dict(), plain.network.state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
+def test_wan22_two_experts_each_step_runs_the_expert_its_sigma_names(musubi, tmp_path):
+    argv = ("--task", "t2v-A14B", "--dit_high_noise", "high.safetensors", "--timestep_sampling", "uniform")
+    setup = Setup(musubi, "wan", tmp_path, *argv, network_args=("ds_routes=x0.5@0.9-",))
+    experts = []
+    call_dit = setup.trainer.call_dit
+
+    def recording(*args, **kwargs):
+        out = call_dit(*args, **kwargs)
+        experts.append((bool(setup.trainer.current_model_is_high_noise), float(args[7][0]) / 1000.0))
+        return out
+
+    setup.trainer.call_dit = recording
+    setup.steps(10)
+    routed = [shape == SMALL["wan"] for shape in setup.inputs]
+    assert any(routed) and not all(routed)
+    assert all(high == (t >= 0.875) for high, t in experts)
+    assert all(t >= 0.9 for (_, t), r in zip(experts, routed, strict=True) if r)
+
+
+def test_the_example_config_reaches_the_plugin_through_musubis_own_toml_reader(musubi, monkeypatch):
+    from pathlib import Path
+
+    from downscale_plugin.hosts.kohya import plugin_config
+
+    parser = musubi["wan"].wan_setup_parser(musubi["parser"]())
+    path = Path(__file__).parent.parent / "example_configs" / "musubi_wan22_high_noise.toml"
+    monkeypatch.setattr(sys, "argv", ["wan_train_network.py", "--config_file", str(path)])  # its reader parses sys.argv again
+    args = parser.parse_args()
+    args = musubi["wan"].read_config_from_file(args, parser)
+    cfg = plugin_config({}, args)
+    assert (args.network_module, args.min_timestep, args.timestep_sampling) == ("downscale_plugin", 875, "shift")
+    assert [(r.scale, r.sigma_min, r.sigma_max) for r in cfg.routes] == [(0.75, 0.95, 1.0), (0.875, 0.9, None)]
+
+
+@pytest.mark.parametrize("sampling", [("shift", "--discrete_flow_shift", "12", "--min_timestep", "875"), ("qwen_shift",), ("sigma",)])
+def test_the_sigma_law_and_the_dry_run_are_the_real_samplers(musubi, sampling, tmp_path):
+    """The family's first dry draw is the σ the real sampler draws next; its exact law (closed form with
+    --min_timestep, the μ-shift of the grid, the scheduler grid's bf16 atoms) is the law of the real sampler's draws."""
+    from downscale_plugin.hosts.musubi.facts import BY_ARCH
+    from downscale_plugin.hosts.musubi.family import MusubiFamily
+
+    setup = Setup(musubi, "wan", tmp_path, "--timestep_sampling", *sampling, network_args=(NEVER,))
+    family = MusubiFamily(setup.trainer, BY_ARCH["wan"])
+    latents = torch.zeros(3, 16, 2, 32, 52)  # a 256×416 latent grid, 2 frames (qwen_shift reads its tokens)
+    bound = family.bind(setup.args, setup.scheduler, latents, "cpu", torch.bfloat16)
+    state = torch.get_rng_state()
+    dry = bound.first()
+    torch.set_rng_state(state)
+    noisy, t = setup.trainer.get_noisy_model_input_and_timesteps(
+        setup.args, torch.ones_like(latents), torch.zeros_like(latents), None, setup.scheduler, "cpu", torch.bfloat16
+    )
+    assert torch.equal(dry, noisy[:, 0, 0, 0, 0].double())
+    torch.manual_seed(0)
+    draws = torch.sort(bound.draw(8000)).values
+    law = bound.law.law
+    grid = torch.linspace(0.0, 1.0, 401, dtype=torch.float64)
+    ecdf = torch.searchsorted(draws, grid, right=True).double() / draws.numel()
+    gap = max(abs(float(e) - law.cdf(float(x))) for e, x in zip(ecdf, grid, strict=True))
+    assert gap < math.sqrt(math.log(2 / 1e-4) / (2 * draws.numel()))  # DKW at α = 1e-4
+
+
+def _qwen_cache(m: dict, root) -> str:
+    """Four 64² items cached by musubi-tuner's own cache writers (random latents and text states in place of
+    the VAE and Qwen2.5-VL), and the dataset TOML over them."""
+    cache, images = root / "cache", root / "images"
+    images.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(4):
+        item = m["ItemInfo"](f"img{i}", "", (64, 64), (64, 64), latent_cache_path=str(cache / f"img{i}_0064x0064_qi.safetensors"))
+        item.text_encoder_output_cache_path = str(cache / f"img{i}_qi_te.safetensors")
+        m["cache_io"].save_latent_cache_qwen_image(item, torch.randn(16, 1, 8, 8, generator=gen), None)
+        m["cache_io"].save_text_encoder_output_cache_qwen_image(item, torch.randn(3 + i, 32, generator=gen))
+    toml = root / "dataset.toml"
+    toml.write_text(
+        f"[general]\nresolution = [64, 64]\nbatch_size = 2\nenable_bucket = false\n\n"
+        f'[[datasets]]\nimage_directory = "{images}"\ncache_directory = "{cache}"\n'
+    )
+    return str(toml)
+
+
+def _train_qwen(m: dict, dataset: str, out, *argv: str):
+    """musubi-tuner's whole ``NetworkTrainer.train`` (dataset, accelerator, network, loop, end, state, save) with
+    only the checkpoint loader replaced: its ``load_transformer`` builds the full 20B DiT."""
+    host = m["qwen"]
+
+    class TinyQwenImageNetworkTrainer(host.QwenImageNetworkTrainer):
+        def load_transformer(self, accelerator, args, dit_path, attn_mode, split_attn, loading_device, dit_weight_dtype):
+            torch.manual_seed(0)
+            return m["QwenModel"](
+                num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12)
+            )
+
+    parser = host.qwen_image_setup_parser(m["parser"]())
+    args = parser.parse_args([
+        "--dit", "unused", "--dataset_config", dataset, "--network_module", "downscale_plugin", "--network_dim", "4", "--sdpa",
+        "--mixed_precision", "no", "--seed", "1", "--timestep_sampling", "qwen_shift", "--network_args", "ds_routes=x0.5@0.5-",
+        "--max_train_steps", "4", "--output_dir", str(out), "--output_name", "t", "--optimizer_type", "AdamW",
+        "--learning_rate", "1e-3", "--max_data_loader_n_workers", "0", *argv,
+    ])  # fmt: skip
+    m["qwen_utils"].resolve_model_version_args(args)
+    args.dit_dtype = "float32"  # main() sets bfloat16; the tiny DiT stays float32 on CPU
+    trainer = TinyQwenImageNetworkTrainer()
+    trainer.train(args)
+    return trainer
+
+
+def test_the_real_training_loop_routes_saves_and_resumes(musubi, tmp_path):
+    """The real loop end to end: routed steps, the end summary's counts in the saved LoRA's metadata, the patches
+    off the trainer after the last save, the LoRA loading back into networks.lora_qwen_image, and the counts
+    going on through musubi-tuner's own --save_state / --resume."""
+    from safetensors import safe_open
+
+    dataset = _qwen_cache(musubi, tmp_path)
+    trainer = _train_qwen(musubi, dataset, tmp_path / "a", "--save_state")
+    assert "process_batch" not in vars(trainer) and "get_noisy_model_input_and_timesteps" not in vars(trainer)
+    with safe_open(str(tmp_path / "a" / "t.safetensors"), "pt") as f:
+        meta, weights = f.metadata(), {k: f.get_tensor(k) for k in f.keys()}
+    counts = json.loads(meta["ss_downscale_counts"])
+    assert meta["ss_downscale_arch"] == "qwen_image" and meta["ss_downscale_inner"] == "networks.lora_qwen_image"
+    assert counts["forwards"] == 4 and 0 < counts["routes"]["r0 x0.5"] < 1
+    from networks import lora_qwen_image  # musubi-tuner's own module, as _build_network put it on sys.path
+
+    model = musubi["QwenModel"](
+        num_layers=1, attention_head_dim=32, num_attention_heads=2, joint_attention_dim=32, axes_dims_rope=(8, 12, 12)
+    )
+    network = lora_qwen_image.create_arch_network(1.0, 4, 1.0, None, None, model)
+    network.apply_to(None, model, apply_text_encoder=False, apply_unet=True)
+    info = network.load_weights(str(tmp_path / "a" / "t.safetensors"))  # --network_weights' path
+    assert (
+        not info.missing_keys
+        and not info.unexpected_keys
+        and any(k.endswith("lora_up.weight") and v.abs().sum() > 0 for k, v in weights.items())
+    )
+    _train_qwen(musubi, dataset, tmp_path / "b", "--resume", str(tmp_path / "a" / "t-state"))
+    with safe_open(str(tmp_path / "b" / "t.safetensors"), "pt") as f:
+        assert json.loads(f.metadata()["ss_downscale_counts"])["forwards"] == 8
+
+
+def _wan_cache(m: dict, root) -> str:
+    """Two 64² five-frame clips cached by musubi-tuner's own Wan cache writers, and the dataset TOML over them."""
+    cache, videos = root / "cache", root / "videos"
+    videos.mkdir(parents=True)
+    gen = torch.Generator().manual_seed(0)
+    for i in range(2):
+        path = cache / f"clip{i}_00000-005_0064x0064_wan.safetensors"
+        item = m["ItemInfo"](f"clip{i}", "", (64, 64), (64, 64, 5), frame_count=5, latent_cache_path=str(path))
+        item.text_encoder_output_cache_path = str(cache / f"clip{i}_wan_te.safetensors")
+        m["cache_io"].save_latent_cache_wan(item, torch.randn(16, 2, 8, 8, generator=gen), None, None, None)
+        m["cache_io"].save_text_encoder_output_cache_wan(item, torch.randn(4 + i, 32, generator=gen))
+    toml = root / "dataset.toml"
+    toml.write_text(
+        f"[general]\nresolution = [64, 64]\nbatch_size = 1\nenable_bucket = false\n\n"
+        f'[[datasets]]\nvideo_directory = "{videos}"\ncache_directory = "{cache}"\ntarget_frames = [5]\n'
+    )
+    return str(toml)
+
+
+def test_the_real_wan_loop_trains_video_at_the_small_grid_with_every_frame(musubi, tmp_path):
+    """Wan's whole NetworkTrainer.train on cached clips: every routed forward keeps the 2 latent frames and halves
+    H and W, and the saved FLOP saving is the model's at F × the tokens of a frame."""
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from downscale_plugin.arch import get_arch
+
+    host, inputs = musubi["wan"], []
+
+    def tiny():
+        torch.manual_seed(0)
+        return musubi["WanModel"](dim=48, ffn_dim=64, num_heads=2, num_layers=1, text_len=8, text_dim=32, attn_mode="torch")
+
+    class TinyWanNetworkTrainer(host.WanNetworkTrainer):
+        def load_transformer(self, accelerator, args, dit_path, attn_mode, split_attn, loading_device, dit_weight_dtype):
+            self.current_model_is_high_noise = self.next_model_is_high_noise = False
+            self.dit_inactive_state_dict = None
+            model = tiny()
+            model.patch_embedding.register_forward_hook(lambda mod, i, o: inputs.append(tuple(i[0].shape)))
+            return model
+
+    dit = tmp_path / "dit.safetensors"
+    save_file({k: v.contiguous() for k, v in tiny().state_dict().items()}, str(dit))  # the trainer reads the DiT's dtype from it
+    parser = host.wan_setup_parser(musubi["parser"]())
+    args = parser.parse_args([
+        "--task", "t2v-14B", "--dit", str(dit), "--dataset_config", _wan_cache(musubi, tmp_path), "--network_module", "downscale_plugin",
+        "--network_dim", "4", "--sdpa", "--mixed_precision", "no", "--seed", "1", "--timestep_sampling", "shift",
+        "--discrete_flow_shift", "3", "--network_args", "ds_routes=x0.5@0.0-", "--max_train_steps", "3", "--output_dir",
+        str(tmp_path / "out"), "--output_name", "w", "--optimizer_type", "AdamW", "--learning_rate", "1e-3",
+        "--max_data_loader_n_workers", "0",
+    ])  # fmt: skip
+    TinyWanNetworkTrainer().train(args)
+    assert inputs == [(1, 16, 2, 4, 4)] * 3
+    with safe_open(str(tmp_path / "out" / "w.safetensors"), "pt") as f:
+        counts = json.loads(f.metadata()["ss_downscale_counts"])
+    model = get_arch("wan").flops
+    assert counts["forwards"] == 3 and counts["flop_saving"] == pytest.approx(1 - model.flops(2 * 4) / model.flops(2 * 16))

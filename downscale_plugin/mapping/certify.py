@@ -37,14 +37,13 @@ import numpy as np
 import toml
 import torch
 
-from ..arch import get_arch
 from ..bins import SigmaBins
 from ..rng import forked, seed_forked
 from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, flat_grad
 from .paired import coupled_small_noise, injected_noise
 from .sequential import SAFE, Bound, Looks, paired_excess, read, verdict
-from .windows import provenance_keys, route_entry, stack_windows
+from .windows import probe_header, provenance_keys, route_entry, stack_windows
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
 
@@ -502,16 +501,12 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
     """The plugin TOML of the certified windows (``downscale_config=``), with the method in its header."""
     backend = result.provenance.get("backend", {})
     stack = stack_windows(Verdicts(result))  # type: ignore[arg-type]  # duck-typed: the rows a map's window rules read
-    arch = backend.get("arch")
-    h, w = backend.get("native_latent_hw", (0, 0))
-    native_edge = math.sqrt(h * w) * get_arch(arch).vae_factor if arch else 0.0
+    arch, native_edge, described = probe_header(backend)
     s = result.settings
     date = date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     header = [
         "# downscale-plugin windows, written by the certifier (certify).",
-        f"# model: {backend.get('model', '?')}",
-        f"# adapter: {backend.get('adapter', '?')}",
-        f"# data: {backend.get('data', '?')}; native latent {h}x{w} (tier edge {native_edge:g} px at {arch}'s VAE factor, as the router counts)",
+        *described,
         f"# paired draws D = {s.draws} per (image, bin), looks at {list(s.looks.at)} images, seed {s.seed}; bins: {result.bins.spec()}",
         f"# margin ε = {s.margin:g}; safe = anytime-valid one-sided {100 * (1 - s.looks.alpha):g}% upper bound (t at α/{len(s.looks.at)} "
         "per look) of the mean paired U-statistic excess < ε; untested bins are not safe",

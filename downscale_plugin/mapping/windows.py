@@ -142,20 +142,30 @@ def provenance_keys(backend: dict, margin: float, method: str, images: int | Non
     return {key: value for key, value in keys.items() if value is not None}
 
 
+def probe_header(backend: dict) -> tuple[str | None, float, list[str]]:
+    """(arch, the probes' native tier edge in px, the header lines naming model, adapter and data) of
+    a windows TOML, from a backend's provenance: the map and the certifier write the same ones."""
+    arch = backend.get("arch")
+    h, w = backend.get("native_latent_hw", (0, 0))
+    native_edge = math.sqrt(h * w) * get_arch(arch).vae_factor if arch else 0.0
+    lines = [
+        f"# model: {backend.get('model', '?')}",
+        f"# adapter: {backend.get('adapter', '?')}",
+        f"# data: {backend.get('data', '?')}; native latent {h}x{w} (tier edge {native_edge:g} px at {arch}'s VAE factor, as the router counts)",
+    ]
+    return arch, native_edge, lines
+
+
 def windows_toml(result: MapResult, command: str = "", date: str | None = None, setting: tuple[str, str] = PLAIN) -> str:
     """A plugin TOML (``downscale_config=``) for one setting, with a provenance header; ``enable = false`` if no window."""
     backend = result.provenance.get("backend", {})
     stack = stack_windows(result, setting)
-    arch = backend.get("arch")
-    h, w = backend.get("native_latent_hw", (0, 0))
-    native_edge = math.sqrt(h * w) * get_arch(arch).vae_factor if arch else 0.0
+    arch, native_edge, described = probe_header(backend)
     s = result.settings
     date = date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
     header = [
         "# downscale-plugin windows, written by the map tool (certifier).",
-        f"# model: {backend.get('model', '?')}",
-        f"# adapter: {backend.get('adapter', '?')}",
-        f"# data: {backend.get('data', '?')}; native latent {h}x{w} (tier edge {native_edge:g} px at {arch}'s VAE factor, as the router counts)",
+        *described,
         f"# D = {s.draws} draws per arm and bin, N = {s.images} images, seed {s.seed}",
         f"# bins: {result.bins.spec()}",
         f"# margin ε = {s.margin:g}; safe = one-sided {100 * (1 - s.alpha):g}% t upper bound of the mean paired debiased "

@@ -36,7 +36,7 @@ from ...plan import format_plan, plan_table
 from ...rng import accelerator_devices
 from ...router import RouteDecision, Router
 from ..kohya import plugin_config
-from ..sd_scripts.run import COUNTS_FILE, DownscaleRun, Routing, show, version
+from ..sd_scripts.run import COUNTS_FILE, DownscaleRun, Routing, shared_seed, show, version
 from .buckets import MusubiBuckets, musubi_buckets
 from .facts import BASE_TRAINER, SUPPORTED, HostError, MusubiArch, trainer_arch
 from .family import MusubiFamily, PlanSampler
@@ -126,14 +126,6 @@ def noise_scheduler(trainer: Any, args: Any) -> Any:
     return sys.modules[base.__module__].FlowMatchDiscreteScheduler(shift=args.discrete_flow_shift, reverse=True, solver="euler")
 
 
-def _shared_seed(seed: int, accelerator: Any) -> int:
-    """Rank 0's seed on every rank (an unseeded run draws ``args.seed`` per process, training/trainer_base.py)."""
-    if int(accelerator.num_processes) <= 1:
-        return seed
-    mine = torch.tensor([seed if int(accelerator.process_index) == 0 else 0], dtype=torch.int64, device=accelerator.device)
-    return int(accelerator.reduce(mine, reduction="sum").item())
-
-
 def routing(
     ctx: TrainerContext, family: MusubiFamily, cfg: Any, arch: str, seed: int, buckets: MusubiBuckets, resumed: ResumedForwards
 ) -> Routing:
@@ -188,7 +180,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     family = MusubiFamily(ctx.trainer, record)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
-    seed = _shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
+    seed = shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
     buckets = musubi_buckets(ctx.dataset_group, get_arch(record.arch).vae_factor, record.frame_stride)
     resumed = ResumedForwards(world)
     run = DownscaleRun(cfg, record.arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, record.arch, seed, buckets, resumed))

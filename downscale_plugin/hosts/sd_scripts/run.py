@@ -39,6 +39,15 @@ def version() -> str:
     return __version__
 
 
+def shared_seed(seed: int, accelerator: Any) -> int:
+    """Rank 0's seed on every rank: an unseeded kohya run draws ``args.seed`` per process
+    (sd-scripts' train_network.py, musubi-tuner's training/trainer_base.py)."""
+    if int(accelerator.num_processes) <= 1:
+        return seed
+    mine = torch.tensor([seed if int(accelerator.process_index) == 0 else 0], dtype=torch.int64, device=accelerator.device)
+    return int(accelerator.reduce(mine, reduction="sum").item())
+
+
 def _wrapping_handler(log: logging.Logger) -> bool:
     """Whether a handler on ``log``'s way up is rich's, which wraps each line at the console width."""
     rich_logging = sys.modules.get("rich.logging")

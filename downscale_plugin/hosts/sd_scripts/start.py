@@ -46,7 +46,7 @@ from .families import GRID_DEPENDENT_MODES, SamplerFamily
 from .flop_args import run_flops
 from .hook import DownscaleHook
 from .resume import HostResume, banner_line
-from .run import DownscaleRun, Routing, show, version
+from .run import DownscaleRun, Routing, shared_seed, show, version
 from .trainer import TrainerContext, detect_arch, find_trainer, make_family, step_options
 
 logger = logging.getLogger(__name__)
@@ -120,14 +120,6 @@ class HostRouter(Router):
             self.resume_offset = resume.resolve().offset
             self.host = None
         return super().route(*args, **kwargs)
-
-
-def _shared_seed(seed: int, accelerator: Any) -> int:
-    """Rank 0's seed on every rank: unseeded sd-scripts runs draw ``args.seed`` per process (train_network.py)."""
-    if int(accelerator.num_processes) <= 1:
-        return seed
-    mine = torch.tensor([seed if int(accelerator.process_index) == 0 else 0], dtype=torch.int64, device=accelerator.device)
-    return int(accelerator.reduce(mine, reduction="sum").item())
 
 
 def _predict(
@@ -222,7 +214,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
     for note in host_warnings(args, arch, cfg, world):
         logger.warning("downscale_plugin: %s", note)
-    seed = _shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
+    seed = shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
     buckets = dataset_buckets(ctx.dataset_group, get_arch(arch).vae_factor)
     check_windows(cfg, model_identity(args), arch, buckets)
     resume = HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: run.host_state)

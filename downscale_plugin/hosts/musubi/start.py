@@ -35,6 +35,7 @@ from ...config import FasterDitConfig
 from ...plan import format_plan, plan_table
 from ...rng import accelerator_devices
 from ...router import RouteDecision, Router
+from ...text import route_rows
 from ..kohya import plugin_config
 from ..sd_scripts.run import COUNTS_FILE, DownscaleRun, Routing, shared_seed, show, version
 from .buckets import MusubiBuckets, musubi_buckets
@@ -208,7 +209,7 @@ def _banner(run: DownscaleRun, record: MusubiArch, ctx: TrainerContext, args: An
         f"downscale_plugin {version()}: {record.arch} ({type(ctx.trainer).__name__}), inner network {run.inner}, gate {cfg.gate}, "
         f"seed {run.seed}, {run.world_size} process(es); σ from {_sampler_text(args)}; positions: {record.positions}{frames}"
     )
-    rules = "\n".join(f"  r{i} {r.label} {r.window_text()} {r.span or ''}" for i, r in enumerate(cfg.routes))
+    rules = "\n".join(f"  {row}".rstrip() for row in route_rows(cfg.routes))
     return f"{head}\n{format_plan(run.plan) if run.plan else rules}"
 
 

@@ -29,7 +29,6 @@ from typing import Any
 
 import torch
 
-from ...accounting import Accounting
 from ...arch import get_arch
 from ...config import FasterDitConfig
 from ...plan import format_plan, plan_table
@@ -143,15 +142,7 @@ def routing(
             flop_model=flops, total_forwards=_forwards(args), mc_samples=PLAN_MC_SAMPLES, seed=0,
             world_size=int(accelerator.num_processes),
         )  # fmt: skip
-    accounting = Accounting(
-        cfg.routes,
-        flops,
-        plan.probs if plan else None,
-        predicted_flop_saving=plan.flop_saving if plan else None,
-        token_values=Accounting.vocabulary(buckets.latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
-        sigma_policy=cfg.fasterdit.sigma_policy,
-    )
-    return Routing(router, plan, accounting)
+    return Routing.counted(router, plan, cfg, arch, flops, buckets.latent_buckets)
 
 
 def _sampler_text(args: Any) -> str:

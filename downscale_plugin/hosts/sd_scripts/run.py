@@ -102,6 +102,21 @@ class Routing:
     plan: Plan | None
     accounting: Accounting
 
+    @classmethod
+    def counted(
+        cls, router: Router, plan: Plan | None, cfg: DownscaleConfig, arch: str, flops: Any, latent_buckets: Sequence[tuple[int, int]]
+    ) -> Routing:
+        """The routing whose accounting counts ``cfg``'s routes under the run's FLOP model against ``plan``."""
+        accounting = Accounting(
+            cfg.routes,
+            flops,
+            plan.probs if plan else None,
+            predicted_flop_saving=plan.flop_saving if plan else None,
+            token_values=Accounting.vocabulary(latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
+            sigma_policy=cfg.fasterdit.sigma_policy,
+        )
+        return cls(router, plan, accounting)
+
 
 class DownscaleRun:
     """One training run's plugin state: accounting, cross-rank totals, metadata, summary, and the

@@ -31,7 +31,6 @@ from typing import Any
 
 import torch
 
-from ...accounting import Accounting
 from ...arch import get_arch
 from ...config import DownscaleConfig, foreign_windows
 from ...plan import Plan, format_plan, plan_table
@@ -170,15 +169,7 @@ def routing(
     world = int(accelerator.num_processes)
     flops = run_flops(arch, args, ctx.trainer)  # the run's own text lengths, rank, checkpointing
     plan = _predict(ctx, family, cfg, arch, buckets, world, flops) if predict else None
-    accounting = Accounting(
-        cfg.routes,
-        flops,
-        plan.probs if plan else None,
-        predicted_flop_saving=plan.flop_saving if plan else None,
-        token_values=Accounting.vocabulary(buckets.latent_buckets, cfg.routes, arch, cfg.tier_tolerance),
-        sigma_policy=cfg.fasterdit.sigma_policy,
-    )
-    return Routing(router, plan, accounting)
+    return Routing.counted(router, plan, cfg, arch, flops, buckets.latent_buckets)
 
 
 def check_windows(cfg: DownscaleConfig, model: str | None, arch: str, buckets: DatasetBuckets) -> None:

@@ -32,7 +32,7 @@ from .bins import DEFAULT_BINS, parse_bins
 GATES = ("coupled", "strict")
 SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at (fasterdit.policies)
 POSITIONS = ("plain", "interpolate")  # position ids of a routed step (fasterdit.positions)
-MODES = ("train", "map")  # map: measure the gradient map inside the run and derive the windows (mapping/)
+MODES = ("train", "map", "auto")  # map: the full gradient map in the run; auto: certify windows in the run and train with them (mapping/)
 AFTER_MAP = ("stop", "train")
 VAE_ARM_KEYS = ("map_reenc", "map_pixel")  # the map's VAE arms (mapping/arms.py: reenc, pixel_<r>); the host must drive its VAE
 DEFAULT_MAP_RATIOS = (0.875, 0.75, 0.5)
@@ -160,6 +160,22 @@ class MapConfig:
 
 
 @dataclass(frozen=True)
+class CertifyConfig:
+    """The in-run certifier's settings (``mode = "auto"``, mapping/certify.py); TOML key = ``certify_`` + field.
+    Routes, bins, ε and the output directory are the map's keys (``map_ratios``, ``map_bins``, ``map_margin``, ``map_out``)."""
+
+    budget: float = _key(
+        0.1, "float_closed", (0.0, 0.5), "probe passes at most, as a fraction of the run's native compute (0: no probes, a plain run)"
+    )
+    draws: int = _key(4, "int", (2, 64), "paired noise draws per (probe, σ bin)")
+    spot_checks: int = _key(2, "int", (0, 16), "bins tested below each route's edge, to catch a σ-monotonicity violation")
+    resume: str | None = _key(None, "str", help="a certify.json of an earlier run on the same model: its evidence is continued, not redone")
+
+    def __post_init__(self) -> None:
+        _check_fields(self)
+
+
+@dataclass(frozen=True)
 class FasterDitConfig:
     """FasterDiT's options on routed and native steps (fasterdit/); TOML key = field name."""
 
@@ -243,9 +259,15 @@ class DownscaleConfig:
     arch: str | None = _key(None, "enum", ARCH_NAMES, "the architecture (default: detected from the trainer)")
     inner: str | None = _key(None, "str", help="inner network module (default: the trainer's own LoRA module)")
     fasterdit: FasterDitConfig = _group("", FasterDitConfig)
-    mode: str = _key("train", "enum", MODES, "map: measure the gradient map in this run and derive the windows")
+    mode: str = _key(
+        "train",
+        "enum",
+        MODES,
+        "map: measure the gradient map in this run and derive the windows; auto: certify windows in the run and train with them",
+    )
     after_map: str = _key("stop", "enum", AFTER_MAP, "after the map: stop, or train on with the derived windows")
     map: MapConfig = _group("map_", MapConfig)
+    certify: CertifyConfig = _group("certify_", CertifyConfig)
     windows: WindowsProvenance = _group("windows_", WindowsProvenance)
     sources: tuple[str, ...] = field(default=(), compare=False)
 
@@ -323,7 +345,7 @@ def _from_string(kind: str, text: str) -> Any:
             return int(text.strip())
         except ValueError:
             raise ValueError(f"{text.strip()!r} is not an integer") from None
-    if kind in ("float", "float_min"):
+    if kind in ("float", "float_min", "float_closed"):
         return _number_text(text)
     if kind == "ratios":
         bad = [x.strip() for x in text.split(",") if x.strip() and not _is_number_text(x)]
@@ -376,6 +398,12 @@ def _check_scalar(key: str, kind: str, allowed: Any, value: Any, problems: list[
         lo, hi = allowed
         if not lo < value < hi:
             problems.append(f"{key}: {value} is out of range (allowed: strictly between {lo} and {hi})")
+            return None
+        return float(value)
+    if kind == "float_closed":
+        lo, hi = allowed
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
+            problems.append(f"{key}: {value!r} is out of range (allowed: {lo:g} to {hi:g})")
             return None
         return float(value)
     if kind == "float_min":
@@ -630,26 +658,42 @@ def read_plugin_toml(path: str) -> dict[str, Any]:
         raise ConfigError([f"downscale_config: {path} is not valid TOML: {err}"]) from None
 
 
-def _map_problems(merged: Mapping[str, Any], has_routes: bool, rejected: set[str]) -> list[str]:
-    """Keys that only make sense together with ``mode = "map"`` (or not at all with it); ``rejected``
-    keys are already reported."""
+AUTO_UNUSED = ("map_draws", "map_images", "map_simultaneous", "after_map")  # the full map's own settings; auto's are certify_*
+
+
+def _mode_problems(merged: Mapping[str, Any], has_routes: bool, rejected: set[str]) -> list[str]:
+    """Keys that only make sense with one ``mode`` (the map's with ``map``, the certifier's with
+    ``auto``, both measure the windows themselves); ``rejected`` keys are already reported."""
     problems = []
+    mode = merged.get("mode", "train")
     if merged.get("map_draws", 0) % 2:
         problems.append(f"map_draws: {merged['map_draws']} must be even (the self-floor splits the D draws into two equal halves)")
-    if merged.get("mode") != "map":
+    if mode != "map":
         problems += [f'{key}: true is only allowed with mode = "map" (a VAE arm of the map)' for key in VAE_ARM_KEYS if merged.get(key)]
+    if mode != "auto":
+        problems += [
+            f'{key}: only used with mode = "auto" (the in-run certifier); remove it or set mode = "auto"'
+            for key in merged
+            if key.startswith("certify_")
+        ]
+    if mode == "train":
         return problems
+    if mode == "auto":
+        problems += [
+            f'{key}: not used with mode = "auto" (the certifier draws certify_draws per probe, reads its bounds at 4, 8 and 16 probes '
+            "and always trains on with what it certified); remove it"
+            for key in AUTO_UNUSED
+            if key in merged
+        ]
+    outputs = "windows.toml, certify.json" if mode == "auto" else "windows.toml, map.csv, map.json, map.png"
     if not merged.get("map_out") and "map_out" not in rejected:
-        problems.append('map_out: required when mode = "map" (the directory the map writes windows.toml, map.csv, map.json, map.png into)')
+        problems.append(f'map_out: required when mode = "{mode}" (the directory it writes {outputs} into)')
     if has_routes:
-        problems.append(
-            'routes: not used when mode = "map": the map derives the windows (after_map = "train" trains with them); '
-            'remove routes or set mode = "train"'
-        )
+        problems.append(f'routes: not used when mode = "{mode}": the run derives the windows itself; remove routes or set mode = "train"')
     for key, plain in (("sigma_policy", "keep"), ("positions", "plain")):
         if merged.get(key, plain) != plain:
             problems.append(
-                f'{key}: {merged[key]!r} is not allowed with mode = "map" (allowed: {plain!r}): the in-run map measures the '
+                f'{key}: {merged[key]!r} is not allowed with mode = "{mode}" (allowed: {plain!r}): the in-run measurement covers the '
                 "router's plain routes; compare σ policies and positions with the lab map"
             )
     return problems
@@ -705,13 +749,13 @@ def load_config(
     }
     routes_rejected = "routes" in rejected or "mode" in rejected
     # Without routes the plugin can still add the direction loss (FasterDiT's term on its own); a map derives them.
-    mapping = merged.get("mode") == "map"
+    mapping = merged.get("mode") in ("map", "auto")
     if merged.get("enable", True) and not raw_routes and not routes_rejected and not merged.get("direction_loss_weight") and not mapping:
         problems.append(
             'routes: at least one route is required while enable = true, mode = "train" and direction_loss_weight = 0 '
             '(e.g. route = "1024:768", sigma_min = 0.65, sigma_max = 0.95)'
         )
-    problems += _map_problems(merged, bool(raw_routes), rejected)
+    problems += _mode_problems(merged, bool(raw_routes), rejected)
     if problems:
         raise ConfigError(problems)
     return _build(merged, tuple(rules), tuple(sources))

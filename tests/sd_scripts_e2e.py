@@ -1,6 +1,6 @@
 """Run a real sd-scripts LoRA training script end to end with ``--network_module downscale_plugin``, offline.
 
-    python tests/sd_scripts_e2e.py {flux,sd3,anima} WORK_DIR [train|map-stop|map-train]
+    python tests/sd_scripts_e2e.py {flux,sd3,anima} WORK_DIR [train|map-stop|map-train|auto]
     (cwd: the sd-scripts checkout on sys.path)
 
 The script runs exactly as ``python flux_train_network.py --config_file train.toml`` does (``runpy``,
@@ -19,7 +19,10 @@ real loader reads a tiny checkpoint written here. Tokenizers are built locally (
 After training it checks the saved LoRA: the inner module loads it, and its metadata carries the
 ``ss_downscale_*`` keys. ``map-stop`` / ``map-train`` run the plugin with ``mode = "map"`` instead of
 routes: the map's files must be written, ``stop`` must end the script with exit 0 and no weights,
-``train`` must save a LoRA routed by the derived windows. ``record`` passes the arguments after it
+``train`` must save a LoRA routed by the derived windows. ``auto`` runs ``mode = "auto"`` (set
+``E2E_STEPS`` ≥ 16: the certifier's probes are the first 16 samples): ``windows.toml`` and
+``certify.json`` must be written, with the model's identity, and the LoRA routed by the certified
+windows must record them (``ss_downscale_map``). ``record`` passes the arguments after it
 to the script (``--gradient_accumulation_steps 2 --resume DIR ...``) and writes ``WORK/record.json``:
 every train step's route decision in order, the saved LoRA's ``ss_downscale_*`` metadata and the
 accelerator's state hooks left at the end; the caller checks them (``E2E_IMAGES``, ``E2E_REPEATS``,
@@ -76,6 +79,17 @@ map_images = 2                    # the run's first two samples (batch size 1: t
 map_margin = 0.99                 # a loose margin, so that a window is found and after_map = "train" routes
 map_reenc = true                  # the VAE arms, on the run's own AutoEncoder
 map_pixel = true
+"""
+
+AUTO = """
+[plugins.downscale]
+mode = "auto"
+map_out = "{out}"
+map_ratios = [0.5]                # 16x16 latents: the 8x8 route
+map_bins = "0,0.5,1"              # two bins and σ = 1
+map_margin = 0.99                 # a loose margin, so that a window is certified and the run routes
+certify_draws = 2                 # a look at one bin: 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents
+certify_budget = 0.5              # of the run's E2E_STEPS single-sample passes
 """
 
 
@@ -337,6 +351,20 @@ def check_map(work: Path) -> dict:
     return windows
 
 
+def check_auto(work: Path, meta: dict) -> None:
+    """The certifier's files are there, its windows carry the run's provenance and are the saved routes."""
+    written = sorted(p.name for p in (work / "map").iterdir())
+    assert written == ["certify.json", "windows.toml"], written
+    windows = toml.load(work / "map" / "windows.toml")
+    blob = json.loads((work / "map" / "certify.json").read_text())
+    print("windows:", windows, "cost:", blob["cost"])
+    assert windows["windows_model"] and windows["windows_arch"] and windows["windows_native"] == "16x16", windows
+    assert 0 < blob["cost"]["native_step_equivalents"] <= 0.5 * STEPS, blob["cost"]
+    recorded = json.loads(meta["ss_downscale_map"])
+    assert recorded["method"] == "certify" and recorded["probes"] == 16, recorded
+    assert json.loads(meta["ss_downscale_routes"]) == windows["routes"], meta
+
+
 def recorder() -> tuple[list, list]:
     """Every train step's decision (rule index, lead, drawn σ) in order, and the run objects seen."""
     from downscale_plugin.hosts.sd_scripts.run import DownscaleRun
@@ -374,6 +402,8 @@ def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
     script, config, inner, models = SETUPS[arch](work, write_images(work))
     if mode.startswith("map-"):
         config.write_text(config.read_text().replace(ROUTES, MAP.format(after=mode.removeprefix("map-"), out=work / "map")))
+    if mode == "auto":
+        config.write_text(config.read_text().replace(ROUTES, AUTO.format(out=work / "map")))
     sys.argv = [script, "--config_file", str(config), *host_argv]
     if mode == "record":
         steps, runs = recorder()
@@ -400,6 +430,8 @@ def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
         windows = check_map(work)
         assert json.loads(meta["ss_downscale_routes"]) == windows["routes"], meta
         assert json.loads(meta["ss_downscale_map"])["before_train_batch"] == 2, meta
+    if mode == "auto":
+        check_auto(work, meta)
     assert meta["ss_network_module"] == "downscale_plugin" and meta["ss_downscale_inner"] == inner, meta
     assert counts["forwards"] == STEPS and counts["routes"]["native"] < 1.0, counts
     scalars = tracked_scalars(work / "logs")

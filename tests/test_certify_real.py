@@ -1,6 +1,7 @@
-"""Windows provenance in the real Flux training script (skipped unless ``SD_SCRIPTS_DIR`` points at an
-sd-scripts checkout): a windows file certified on another model is refused at start, naming the
-mismatch, and ``windows_foreign = "warn"`` trains with it (``tests/sd_scripts_e2e.py`` runs the script)."""
+"""Certification in the real Flux training script (skipped unless ``SD_SCRIPTS_DIR`` points at an
+sd-scripts checkout; ``tests/sd_scripts_e2e.py`` runs the script): ``mode = "auto"`` certifies windows
+on the run's first 16 samples, trains with them and saves their provenance; a windows file certified
+on another model is refused at start, naming the mismatch, and ``windows_foreign = "warn"`` trains with it."""
 
 from __future__ import annotations
 
@@ -31,15 +32,16 @@ sigma_min = 0.6
 """
 
 
-def run_e2e(work: Path, foreign: str) -> subprocess.CompletedProcess:
+def run_e2e(work: Path, foreign: str, mode: str = "train", **env_extra: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)]),
         "COLUMNS": "1000",
         "E2E_ROUTES": FOREIGN.format(foreign=foreign),
+        **env_extra,
     }
     return subprocess.run(
-        [sys.executable, str(HERE / "sd_scripts_e2e.py"), "flux", str(work), "train"],
+        [sys.executable, str(HERE / "sd_scripts_e2e.py"), "flux", str(work), mode],
         cwd=SD_SCRIPTS_DIR,
         env=env,
         capture_output=True,
@@ -62,3 +64,10 @@ def test_windows_foreign_warn_trains_with_them(tmp_path):
     log = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 0 and "E2E OK" in log, log[-3000:]
     assert 'windows_foreign = "warn": using the windows anyway' in log and "'00000000'" in log
+
+
+def test_auto_certifies_on_the_runs_first_samples_and_trains_with_the_windows(tmp_path):
+    proc = run_e2e(tmp_path, "", "auto", E2E_STEPS="40")
+    log = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 0 and "E2E OK" in log, log[-3000:]
+    assert "certified before train batch 16" in log and "certification: " in log and "net saving: FLOP" in log, log[-3000:]

@@ -416,9 +416,9 @@ def test_architecture_errors():
 @pytest.mark.parametrize("path", sorted((Path(__file__).parent.parent / "example_configs").glob("*.toml")), ids=lambda p: p.stem)
 def test_example_configs_are_valid_and_say_where_their_windows_come_from(path):
     text = path.read_text()
-    if path.stem.endswith("_map"):  # no windows of its own: it measures them on the user's model
+    if path.stem.endswith(("_map", "_auto")):  # no windows of its own: it measures them on the user's model
         cfg, flat = config_from_training_toml(str(path))
-        assert flat["network_module"] == "downscale_plugin" and cfg.mode == "map" and cfg.map.out and not cfg.routes
+        assert flat["network_module"] == "downscale_plugin" and cfg.mode == path.stem.rsplit("_", 1)[1] and cfg.map.out and not cfg.routes
         return
     assert "NOT certified" in text or "NOT on" in text  # provenance: measured elsewhere, not for latent-area downsampling
     if path.stem == "anima_seed_paper_windows":

@@ -29,7 +29,9 @@ from host_modules import ARCHS, run_double
 from rng_trap import PLUGIN_DIR, NativeStepCheck, RngTrap, rng_states, same
 
 from downscale_plugin import rng
+from downscale_plugin.hosts.sd_scripts import auto as _auto  # noqa: F401  # loaded before the trap wraps each module's seed_forked
 from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
+from downscale_plugin.mapping import certify as _certify  # noqa: F401
 from downscale_plugin.router import Router
 
 pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")
@@ -120,6 +122,18 @@ def test_a_whole_map_run_never_reseeds_or_rewinds_a_global_generator(arch, after
     assert rng_trap.violations == [], rng_trap.report()
     draws = 2 * 3 * 3 * 2  # images × bins × arms × draws, each seeded inside its own fork
     assert rng_trap.seeded >= draws and rng_trap.restores >= 3 * draws  # CPU, Python, NumPy per draw
+
+
+@pytest.mark.parametrize("arch", list(FAMILIES))
+def test_a_whole_auto_run_never_reseeds_or_rewinds_a_global_generator(arch, rng_trap, tmp_path):
+    """The certifier's paired draws inject their noise and seed each draw's fork; nothing global moves."""
+    downscale = {"mode": "auto", "map_out": str(tmp_path / "auto"), "map_ratios": [0.5], "map_bins": "0,0.5,1"}
+    downscale.update(certify_draws=2, certify_budget=0.5, map_margin=0.99)
+    argv = ("--resolution", RES, "--train_batch_size", "4", "--max_train_steps", "24", "--seed", "4")
+    seeded_run(arch, *argv, *(ALL_NOISE if FAMILIES[arch] == "ddpm" else IP), downscale=downscale)
+    assert (tmp_path / "auto" / "certify.json").is_file()
+    assert rng_trap.violations == [], rng_trap.report()
+    assert rng_trap.seeded >= 4 * 2 * 2  # a look: 4 probes × 2 draws × (native + route), each seeded inside its own fork
 
 
 def _old_banner_sample(self, n, latent_hw, generator=None):

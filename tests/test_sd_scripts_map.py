@@ -266,7 +266,7 @@ def test_a_run_that_ends_before_its_map_says_so(tmp_path, caplog):
     argv = ("--resolution", RES, "--max_train_steps", "100", "--max_train_epochs", "1", "--dataset_size", "4")
     run = run_double("flux", *argv, downscale=map_config(tmp_path, map_images=8)).last_run
     assert len(run.losses) == 4 and not (tmp_path / "map").exists()
-    assert "the run ended after 4 of the 8 probe samples the map needs; no map was made" in caplog.text
+    assert 'mode = "map": the run ended after 4 of the 8 probe samples it needs; nothing was measured' in caplog.text
 
 
 @pytest.mark.parametrize("arch", ["flux", "sd3", "sdxl"])

@@ -91,98 +91,86 @@ class MapHook(DownscaleHook):
         return self.run_host(original, call, sampler, at_grid(call.latents, target_hw), keys, nullcontext())
 
 
-class MapSession:
-    """One map run's state; see the module docstring. ``buckets`` is ``dataset_buckets``' answer."""
+class ProbeSession:
+    """What an in-run measurement (``mode = "map"``, ``mode = "auto"``) shares: probes cut from the
+    run's first train batches, the step hook that can force a grid and σ, the ``process_batch`` wrap
+    that collects them, and the run's provenance. A subclass says what runs once ``images`` probes
+    are in (:meth:`complete`) and what the run cannot do (:meth:`problems`)."""
 
-    def __init__(self, run: DownscaleRun, ctx: TrainerContext, family: SamplerFamily, buckets: DatasetBuckets, record: TrainerArch):
-        missing = [name for name in MAP_PACKAGES if importlib.util.find_spec(name) is None]
+    mode = ""
+
+    def __init__(
+        self, run: DownscaleRun, ctx: TrainerContext, family: SamplerFamily, buckets: DatasetBuckets, record: TrainerArch, images: int
+    ):
+        missing = [name for name in self.packages() if importlib.util.find_spec(name) is None]
         if missing:
-            raise HostError(f'mode = "map": {", ".join(missing)} not installed; the map needs them: pip install "downscale-plugin[map]"')
-        from ...mapping.estimator import MapSettings
-
-        cfg = run.cfg
+            raise HostError(f'mode = "{self.mode}": {", ".join(missing)} not installed; it needs them: pip install "downscale-plugin[map]"')
         self.run, self.ctx, self.family, self.buckets, self.record = run, ctx, family, buckets, record
-        self.arms = build_arms(cfg.map.ratios, pixel=cfg.map.pixel, reenc=cfg.map.reenc)
-        self.bins = parse_bins(cfg.map.bins)
-        self.settings = MapSettings(
-            margin=cfg.map.margin, draws=cfg.map.draws, images=cfg.map.images, seed=run.seed, simultaneous=cfg.map.simultaneous
-        )
-        self.out_dir = os.path.abspath(cfg.map.out)
+        self.images = images
+        self.out_dir = os.path.abspath(run.cfg.map.out)
         self.devices = accelerator_devices(ctx.accelerator.device)
-        self.batches_needed = math.ceil(cfg.map.images / max(buckets.batch_size, 1))
-        problems = self.problems()
-        if problems:
-            raise HostError('mode = "map":\n  - ' + "\n  - ".join(problems))
+        self.batches_needed = math.ceil(images / max(buckets.batch_size, 1))
         self.probes: list[dict[str, Any]] = []
         self.batches = 0
         self.measured = False
         self.hook: MapHook | None = None
-        self.patches = Patches()  # the process_batch wrap: undone once the map has run, else at the run's end
+        self.patches = Patches()  # the process_batch wrap: undone once the measurement has run, else at the run's end
 
-    def problems(self) -> list[str]:
-        """What makes this map impossible in this run, found before any compute."""
-        from ...mapping.estimator import MapInputError, check_inputs
+    def packages(self) -> tuple[str, ...]:
+        """The optional packages the measurement imports on use."""
+        return ()
 
-        cfg, run, args = self.run.cfg, self.run, self.ctx.args
+    def refuse(self, problems: list[str]) -> None:
+        if problems:
+            raise HostError(f'mode = "{self.mode}":\n  - ' + "\n  - ".join(problems))
+
+    def run_problems(self, ratios: tuple[float, ...], key: str, images_key: str) -> list[str]:
+        """What this run's processes, buckets and length rule out for ``images`` probes at ``ratios``."""
+        run = self.run
         problems = []
         if run.world_size > 1:
-            problems.append(f"{run.world_size} processes: the map runs on one process (launch with --num_processes 1)")
-        if run.arch not in VAE_ARCHS:
-            problems += [
-                f"{key}: the VAE arms are not supported for {run.arch} (supported: {', '.join(VAE_ARCHS)}); set {key} = false"
-                for key in VAE_ARM_KEYS
-                if getattr(cfg.map, key.removeprefix("map_"))
-            ]
-        try:
-            check_inputs(self.arms, self.bins, self.settings)
-        except MapInputError as err:
-            problems += err.problems
+            problems.append(f"{run.world_size} processes: the {self.mode} runs on one process (launch with --num_processes 1)")
         spec = get_arch(run.arch)
         for h, w in self.buckets.latent_buckets:
-            bad = [r for r in cfg.map.ratios if target_grid((h, w), r, spec) is None]
+            bad = [r for r in ratios if target_grid((h, w), r, spec) is None]
             if bad:
                 problems.append(
-                    f"map_ratios: {', '.join(f'{r:g}' for r in bad)} give no strictly smaller {spec.name} grid (multiple {spec.multiple}) "
+                    f"{key}: {', '.join(f'{r:g}' for r in bad)} give no strictly smaller {spec.name} grid (multiple {spec.multiple}) "
                     f"for the {h}x{w} latent bucket of this dataset"
                 )
-        forwards = int(args.max_train_steps) * int(getattr(args, "gradient_accumulation_steps", 1) or 1)
-        if forwards < self.batches_needed:
+        if self.forwards() < self.batches_needed:
             problems.append(
-                f"map_images: {cfg.map.images} probes need {self.batches_needed} train batches of {self.buckets.batch_size}, "
-                f"but the run has {forwards}; lower map_images or raise --max_train_steps"
+                f"{images_key}: {self.images} probes need {self.batches_needed} train batches of {self.buckets.batch_size}, "
+                f"but the run has {self.forwards()}; {'lower map_images or ' if images_key == 'map_images' else ''}raise --max_train_steps"
             )
         return problems
+
+    def forwards(self) -> int:
+        """Train forwards (batches) the run will make, as ``prepare_network`` sees its length."""
+        args = self.ctx.args
+        return int(args.max_train_steps) * int(getattr(args, "gradient_accumulation_steps", 1) or 1)
 
     def make_hook(self, *args: Any, **kwargs: Any) -> MapHook:
         """The run's step hook (``DownscaleHook``'s arguments)."""
         self.hook = MapHook(*args, **kwargs)
         return self.hook
 
-    def banner(self) -> str:
-        s, cfg = self.settings, self.run.cfg
-        passes = s.images * len(self.bins) * len(self.arms) * s.draws
-        return (
-            f'  mode = "map": the gradient map runs when the first {s.images} training samples are in (batch {self.batches_needed}, '
-            f"before its step); routes {', '.join(a.name for a in self.arms if a.compared)}, σ bins {self.bins.spec()} "
-            f"({len(self.bins)} with σ = 1), D = {s.draws}, margin {s.margin:g}{' (Bonferroni)' if s.simultaneous else ''}: "
-            f"{passes} forward+backward passes; outputs to {self.out_dir}; then after_map = {cfg.after_map!r}"
-        )
-
     # -- the process_batch wrapper ----------------------------------------------------------------
 
     def install(self) -> None:
-        """Wrap the trainer's ``process_batch`` (around any wrapper already installed) until the map has
-        run, and ``accelerator.end_training`` to say so when a run ends before its map. Both go into the
-        run's record, the first through the session's own, which the map undoes when it is done."""
+        """Wrap the trainer's ``process_batch`` (around any wrapper already installed) until the
+        measurement has run, and ``accelerator.end_training`` to say so when a run ends before it. Both go
+        into the run's record, the first through the session's own, undone when the measurement is done."""
         accelerator = self.run.accelerator
         end = accelerator.end_training
 
         def end_training(*args: Any, **kwargs: Any) -> Any:
             if not self.measured:  # e.g. --max_train_epochs made the run shorter than prepare_network saw
                 logger.error(
-                    'downscale_plugin: mode = "map": the run ended after %d of the %d probe samples the map needs; no map was made',
+                    'downscale_plugin: mode = "%s": the run ended after %d of the %d probe samples it needs; nothing was measured',
+                    self.mode,
                     len(self.probes),
-                    self.settings.images,
+                    self.images,
                 )
             return end(*args, **kwargs)
 
@@ -199,16 +187,111 @@ class MapSession:
             return current(*args, **kwargs)
 
         self.patches.set(trainer, "process_batch", process_batch)
-        self.run.patches.on_undo(self.patches.undo)  # a run that ends before its map
+        self.run.patches.on_undo(self.patches.undo)  # a run that ends before its measurement
 
     def offer(self, arguments: dict[str, Any]) -> None:
-        """A train batch: take its samples as probes; with enough, run the map and what follows it."""
+        """A train batch: take its samples as probes; with enough, run the measurement and what follows it."""
         self.batches += 1
         self.probes += split_batch(arguments["batch"])
-        if len(self.probes) < self.settings.images:
+        if len(self.probes) < self.images:
             return
         self.patches.undo()
         self.measured = True
+        self.complete(arguments)
+
+    def complete(self, arguments: dict[str, Any]) -> None:
+        raise NotImplementedError
+
+    def backend(self, arguments: dict[str, Any], vae: HostVae | None = None) -> SdScriptsBackend:
+        """The map backend over the first ``images`` probes: every draw the trainer class's own ``process_batch``."""
+        trainer, accelerator = self.ctx.trainer, arguments["accelerator"]
+        host_step = type(trainer).process_batch  # the host's own, without any plugin wrapper
+        rest = {k: v for k, v in arguments.items() if k not in ("self", "batch")}
+        network = accelerator.unwrap_model(arguments["network"])
+        params = [p for p in network.parameters() if p.requires_grad]
+        return SdScriptsBackend(
+            self.probes[: self.images],
+            lambda probe: host_step(trainer, probe, **rest),
+            self.hook.forcing,
+            params,
+            self.run.arch,
+            self.devices,
+            self.describe(arguments),
+            vae,
+            self.run.seed,
+        )
+
+    def command(self) -> str:
+        return f"python {' '.join(sys.argv)} (downscale_plugin mode = {self.mode}, before train batch {self.batches})"
+
+    def describe(self, arguments: dict[str, Any]) -> dict[str, Any]:
+        """Provenance of the model, adapter and data (every output file carries it)."""
+        args, accelerator = arguments["args"], arguments["accelerator"]
+        unet = accelerator.unwrap_model(arguments["unet"])
+        n = self.images
+        captions = [str(p["captions"][0])[:60] for p in self.probes[:n] if p.get("captions")]
+        return {
+            "model": f"{type(unet).__name__} ({sum(p.numel() for p in unet.parameters()) / 1e6:.1f} M parameters), "
+            f"{getattr(args, 'pretrained_model_name_or_path', None) or '?'}",
+            "adapter": f"{self.run.inner} (network_dim {getattr(args, 'network_dim', '?')}, network_alpha {getattr(args, 'network_alpha', '?')}), "
+            f"as trained by the {self.batches - 1} native step(s) before the {self.mode}",
+            "data": f"the run's first {n} training samples (train batches 1-{self.batches})"
+            + (f"; captions: {' | '.join(captions)}" if captions else ""),
+            "trainer": type(self.ctx.trainer).__name__,
+            "model_identity": model_identity(args),
+            "plugin_version": version(),
+        }
+
+
+class MapSession(ProbeSession):
+    """One map run's state; see the module docstring. ``buckets`` is ``dataset_buckets``' answer."""
+
+    mode = "map"
+
+    def __init__(self, run: DownscaleRun, ctx: TrainerContext, family: SamplerFamily, buckets: DatasetBuckets, record: TrainerArch):
+        from ...mapping.estimator import MapSettings
+
+        cfg = run.cfg
+        super().__init__(run, ctx, family, buckets, record, cfg.map.images)
+        self.arms = build_arms(cfg.map.ratios, pixel=cfg.map.pixel, reenc=cfg.map.reenc)
+        self.bins = parse_bins(cfg.map.bins)
+        self.settings = MapSettings(
+            margin=cfg.map.margin, draws=cfg.map.draws, images=cfg.map.images, seed=run.seed, simultaneous=cfg.map.simultaneous
+        )
+        self.refuse(self.problems())
+
+    def packages(self) -> tuple[str, ...]:
+        return MAP_PACKAGES
+
+    def problems(self) -> list[str]:
+        """What makes this map impossible in this run, found before any compute."""
+        from ...mapping.estimator import MapInputError, check_inputs
+
+        cfg, run = self.run.cfg, self.run
+        problems = self.run_problems(cfg.map.ratios, "map_ratios", "map_images")
+        if run.arch not in VAE_ARCHS:
+            problems += [
+                f"{key}: the VAE arms are not supported for {run.arch} (supported: {', '.join(VAE_ARCHS)}); set {key} = false"
+                for key in VAE_ARM_KEYS
+                if getattr(cfg.map, key.removeprefix("map_"))
+            ]
+        try:
+            check_inputs(self.arms, self.bins, self.settings)
+        except MapInputError as err:
+            problems += err.problems
+        return problems
+
+    def banner(self) -> str:
+        s, cfg = self.settings, self.run.cfg
+        passes = s.images * len(self.bins) * len(self.arms) * s.draws
+        return (
+            f'  mode = "map": the gradient map runs when the first {s.images} training samples are in (batch {self.batches_needed}, '
+            f"before its step); routes {', '.join(a.name for a in self.arms if a.compared)}, σ bins {self.bins.spec()} "
+            f"({len(self.bins)} with σ = 1), D = {s.draws}, margin {s.margin:g}{' (Bonferroni)' if s.simultaneous else ''}: "
+            f"{passes} forward+backward passes; outputs to {self.out_dir}; then after_map = {cfg.after_map!r}"
+        )
+
+    def complete(self, arguments: dict[str, Any]) -> None:
         result, paths = self.measure(arguments)
         if self.run.cfg.after_map == "stop":
             logger.info(
@@ -231,27 +314,12 @@ class MapSession:
         from ...mapping.estimator import MapInputError, run_map
         from ...mapping.report import console_table, write_outputs
 
-        trainer, accelerator = self.ctx.trainer, arguments["accelerator"]
-        host_step = type(trainer).process_batch  # the host's own, without any plugin wrapper
-        rest = {k: v for k, v in arguments.items() if k not in ("self", "batch")}
-        network = accelerator.unwrap_model(arguments["network"])
-        params = [p for p in network.parameters() if p.requires_grad]
         vae = None
         if any(a.kind in ("reenc", "pixel") for a in self.arms):
             if arguments["vae"] is None:
                 raise HostError(f'mode = "map": {" / ".join(VAE_ARM_KEYS)}: the trainer passed no VAE to process_batch')
-            vae = HostVae(arguments["vae"], self.record.vae_calls, accelerator.device, self.devices)
-        backend = SdScriptsBackend(
-            self.probes[: self.settings.images],
-            lambda probe: host_step(trainer, probe, **rest),
-            self.hook.forcing,
-            params,
-            self.run.arch,
-            self.devices,
-            self.describe(arguments),
-            vae,
-            self.run.seed,
-        )
+            vae = HostVae(arguments["vae"], self.record.vae_calls, arguments["accelerator"].device, self.devices)
+        backend = self.backend(arguments, vae)
         t0 = time.perf_counter()
         with forked(self.devices):
             try:
@@ -267,24 +335,6 @@ class MapSession:
             "\n".join(f"wrote {p}" for p in paths.values()),
         )
         return result, paths
-
-    def describe(self, arguments: dict[str, Any]) -> dict[str, Any]:
-        """Provenance of the model, adapter and data (every output file carries it)."""
-        args, accelerator = arguments["args"], arguments["accelerator"]
-        unet = accelerator.unwrap_model(arguments["unet"])
-        n = self.settings.images
-        captions = [str(p["captions"][0])[:60] for p in self.probes[:n] if p.get("captions")]
-        return {
-            "model": f"{type(unet).__name__} ({sum(p.numel() for p in unet.parameters()) / 1e6:.1f} M parameters), "
-            f"{getattr(args, 'pretrained_model_name_or_path', None) or '?'}",
-            "adapter": f"{self.run.inner} (network_dim {getattr(args, 'network_dim', '?')}, network_alpha {getattr(args, 'network_alpha', '?')}), "
-            f"as trained by the {self.batches - 1} native step(s) before the map",
-            "data": f"the run's first {n} training samples (train batches 1-{self.batches})"
-            + (f"; captions: {' | '.join(captions)}" if captions else ""),
-            "trainer": type(self.ctx.trainer).__name__,
-            "model_identity": model_identity(args),
-            "plugin_version": version(),
-        }
 
     # -- after_map = "train" ----------------------------------------------------------------------
 

@@ -143,6 +143,7 @@ class DownscaleRun:
         self.hook: Any = None  # the step hook reading ``router`` (set by start)
         self.finished = False
         self.extra_metadata: dict[str, str] = {}  # e.g. ss_downscale_map after an in-run map
+        self.summary_extra: list[Callable[[], list[str]]] = []  # more end-summary lines (an in-run certification's cost)
         self.host_state: dict | None = None  # the host's train_state.json of the state it resumed from
         self.patches = Patches()  # undone by close(), at the run's end
         self._pending: dict | None = None  # restored counts for other routes (a map run: merged once they match)
@@ -280,7 +281,7 @@ class DownscaleRun:
         if self.world_size > 1:
             self.totals = self.accounting.reduced(self._reduce)
         if self.rank == 0:
-            show(self.totals.summary_text(), "end summary")
+            show("\n".join([self.totals.summary_text(), *(line for extra in self.summary_extra for line in extra())]), "end summary")
 
     def metadata(self) -> dict[str, str]:
         totals = self.totals

@@ -10,8 +10,8 @@ architecture, checks the hook points, builds the router and the accounting, and 
 - the start banner (main process) and the end summary at ``accelerator.end_training``, which every
   rank calls after the loop and before the last save (train_network.py), so the final cross-rank sum there is
   a symmetric collective;
-- with ``mode = "map"``, the map session (``sd_scripts_map``): routes come from the map it runs on
-  the run's first batches.
+- with ``mode = "map"``, the map session (``map.py``), with ``mode = "auto"`` the certifier's
+  (``auto.py``): routes come from what it measures on the run's first batches.
 
 Each of these patches, and the accelerate state hooks, goes through the run's one record
 (``DownscaleRun.patches``), undone after the host's last save, so the trainer, the network and the
@@ -216,6 +216,11 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         from .map import MapSession  # the estimator and the plots load for a map run only
 
         session = MapSession(run, ctx, family, buckets, record)
+    elif cfg.mode == "auto" and cfg.certify.budget > 0:
+        from .auto import AutoSession
+
+        session = AutoSession(run, ctx, family, buckets, record)
+        run.summary_extra.append(session.summary_lines)
     hook = (session.make_hook if session else DownscaleHook)(
         router, family, options=options, rank=rank, world_size=world, on_step=run.on_step, step_logs=run.step_logs
     )
@@ -239,6 +244,8 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         if resumed:
             head += "\n" + resumed
         rules = "\n".join(f"  {row}".rstrip() for row in route_rows(cfg.routes))
+        if cfg.mode == "auto" and session is None:
+            rules = '  mode = "auto", certify_budget = 0: no probes; the run trains native, as the plain run'
         show(f"{head}\n{session.banner() if session else format_plan(plan) if plan else rules}", "start banner")
     network.downscale_run = run
     return run

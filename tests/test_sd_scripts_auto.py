@@ -1,0 +1,155 @@
+"""``mode = "auto"`` inside the sd-scripts trainers, on the host doubles (CI; no sd-scripts).
+
+The certifier runs once, before the batch that completes its 16 probes, every draw through the
+trainer's own ``process_batch``; it spends at most ``certify_budget`` of the run's native compute,
+writes ``windows.toml`` and ``certify.json`` to ``map_out``, and the run trains on with what it
+certified. Budget 0 is the plain run; a certification that opens nothing leaves the run bitwise the
+host's (RNG, accumulated gradients, optimizer untouched).
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import random
+
+import pytest
+import toml
+import torch
+from host_modules import ARCHS, run_double, trainer_class
+from safetensors import safe_open
+from test_sd_scripts_map import RES, steps  # noqa: F401  # the fixture recording each host step's latents
+
+from downscale_plugin.config import ConfigError, load_config
+from downscale_plugin.hosts.sd_scripts.facts import HostError
+
+pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")
+
+# One route (ratio 0.5: latent 16x16 → 8x8) over two σ bins; D = 2 paired draws: a look at one bin
+# is 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents.
+QUICK = {"map_ratios": [0.5], "map_bins": "0,0.5,1", "certify_draws": 2}
+# 24 steps of 4 samples: 96 single-sample passes; the 16 probes are in at batch 4.
+ARGV = ("--resolution", RES, "--train_batch_size", "4", "--max_train_steps", "24", "--seed", "3")
+
+
+def auto_config(tmp_path, **extra) -> dict:
+    return {"mode": "auto", "map_out": str(tmp_path / "auto"), "certify_budget": 0.5, **QUICK, **extra}
+
+
+def test_budget_zero_is_the_plain_run_bitwise(tmp_path):
+    plain = run_double("flux", *ARGV, network_module=ARCHS["flux"][2]).last_run
+    run = run_double("flux", *ARGV, downscale=auto_config(tmp_path, certify_budget=0.0)).last_run
+    assert run.losses == plain.losses and len(run.losses) == 24
+    theirs = plain.network.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in run.network.state_dict().items())
+    assert not (tmp_path / "auto").exists()
+
+
+@pytest.mark.parametrize("arch", ["flux", "anima"])
+def test_a_certification_that_opens_nothing_leaves_training_bitwise_the_hosts(arch, tmp_path, monkeypatch):
+    """ε ≈ 0: nothing is certified. With gradient accumulation the certifier runs between two
+    micro-batches of an update (probe 16 arrives with the 8th batch of 2), so accumulated .grad, the RNG
+    and the optimizer must survive it; Anima's caption dropout draws from Python's RNG in every step."""
+    if arch == "anima":
+        cls = trainer_class("anima")
+        conds = cls.text_conds
+        monkeypatch.setattr(cls, "text_conds", lambda self, bsz, gen: [*conds(self, bsz, gen)[:-1], torch.full((bsz,), 0.5)])
+    argv = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "20", "--gradient_accumulation_steps", "2", "--seed", "4")
+    random.seed(0)
+    plain = run_double(arch, *argv, network_module=ARCHS[arch][2]).last_run
+    random.seed(0)
+    run = run_double(arch, *argv, downscale=auto_config(tmp_path, map_margin=1e-9)).last_run
+    assert run.losses == plain.losses and len(run.losses) == 40
+    theirs = plain.network.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in run.network.state_dict().items())
+    state = run.network.downscale_run
+    assert state.cfg.routes == () and state.accounting.total_steps == 40
+    blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
+    assert blob["cost"]["native_step_equivalents"] > 0 and not any(row["safe"] for row in blob["bins"])
+
+
+def test_auto_certifies_then_trains_with_the_windows_and_records_them(tmp_path, steps, caplog):  # noqa: F811
+    calls = steps("flux")
+    argv = (*ARGV, "--output_dir", str(tmp_path / "out"))
+    with caplog.at_level(logging.INFO):
+        run = run_double("flux", *argv, downscale=auto_config(tmp_path, map_margin=0.99)).last_run
+    state = run.network.downscale_run
+    windows = toml.load(tmp_path / "auto" / "windows.toml")
+    derived = load_config(plugin_toml=windows)
+    assert derived.routes and state.cfg.routes == derived.routes and all(r.ratio == 0.5 for r in derived.routes)
+    assert windows["windows_arch"] == "flux" and windows["windows_native"] == "16x16" and windows["windows_method"].startswith("certify")
+    assert windows["windows_margin"] == 0.99 and "windows_model" not in windows  # the doubles load no model file to hash
+    blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
+    spent = blob["cost"]["native_step_equivalents"]
+    assert 0 < spent <= 0.5 * 96 and blob["cost"]["budget"] == pytest.approx(48.0)
+    assert any(row["safe"] for row in blob["bins"])
+    train = [shape for shape, _ in calls if shape[0] == 4]  # the certifier's draws run one probe at a time; batch 4 is routed
+    assert len(train) == 24 and set(train[:3]) == {(4, 4, 16, 16)} and (4, 4, 8, 8) in train[3:]
+    probes = [shape for shape, _ in calls if shape[0] == 1]
+    assert probes and set(probes) <= {(1, 4, 16, 16), (1, 4, 8, 8)}
+    assert state.accounting.total_steps == 24 and state.accounting.routed_samples > 0
+    with safe_open(str(tmp_path / "out" / "last.safetensors"), "pt") as f:
+        meta = f.metadata()
+    recorded = json.loads(meta["ss_downscale_map"])
+    assert recorded["method"] == "certify" and recorded["before_train_batch"] == 4 and recorded["probes"] == 16
+    assert recorded["native_step_equivalents"] == pytest.approx(spent, abs=1e-3) and recorded["windows"]
+    assert json.loads(meta["ss_downscale_routes"]) == windows["routes"]
+    assert "certification: " in caplog.text and "of the run's native compute" in caplog.text and "net saving: FLOP" in caplog.text
+
+
+def test_a_later_run_continues_the_evidence(tmp_path):
+    """A budget that ends the first run's tests early ('budget'); the second run adds evidence to them."""
+    first = auto_config(tmp_path, map_margin=0.2, certify_budget=0.15)  # 14.4: one look (10) and no second
+    run_double("flux", *ARGV, downscale=first)
+    saved = json.loads((tmp_path / "auto" / "certify.json").read_text())
+    before = {(r["route"], r["bin"]): len(r["evidence"]["images"]) for r in saved["bins"] if r["verdict"] != "untested"}
+    assert any(r["verdict"] == "budget" for r in saved["bins"]) or len(before) == 1
+    (tmp_path / "first.json").write_text(json.dumps(saved))
+    second = {**first, "certify_budget": 0.5, "certify_resume": str(tmp_path / "first.json")}
+    run_double("flux", *ARGV, downscale=second)
+    blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
+    after = {(r["route"], r["bin"]): len(r["evidence"]["images"]) for r in blob["bins"] if r["verdict"] != "untested"}
+    assert blob["provenance"]["resumed_from"]["native_step_equivalents"] == saved["cost"]["native_step_equivalents"]
+    assert blob["cost"]["native_step_equivalents"] > saved["cost"]["native_step_equivalents"]
+    assert all(after[key] >= n for key, n in before.items()) and sum(after.values()) > sum(before.values())
+
+
+@pytest.mark.parametrize(
+    ("config", "argv", "message"),
+    [
+        ({"certify_budget": 0.05}, (), r"certify_budget: 0.05 of this run's 96 single-sample passes is 4.8 .* first look .* costs 10.0"),
+        ({}, ("--max_train_steps", "3"), "probes: 16 probes need 4 train batches of 4, but the run has 3"),
+        ({"map_ratios": [0.95]}, (), "map_ratios: 0.95 give no strictly smaller flux grid"),
+        ({"certify_resume": "/no/such/certify.json"}, (), "certify_resume: cannot read /no/such/certify.json"),
+    ],
+)
+def test_a_certification_the_run_cannot_do_fails_at_prepare_network(tmp_path, steps, config, argv, message):  # noqa: F811
+    calls = steps("flux")
+    with pytest.raises(HostError, match=message):
+        run_double("flux", *ARGV, *argv, downscale=auto_config(tmp_path, **config))
+    assert calls == [] and not (tmp_path / "auto").exists()
+
+
+def test_evidence_for_other_settings_is_refused_at_prepare_network(tmp_path, steps):  # noqa: F811
+    run_double("flux", *ARGV, downscale=auto_config(tmp_path, map_margin=0.99))
+    saved = tmp_path / "saved.json"
+    saved.write_text((tmp_path / "auto" / "certify.json").read_text())
+    calls = steps("flux")
+    with pytest.raises(HostError, match=r"certify_resume: margin is 0.99 in the saved result, 0.5 now"):
+        run_double("flux", *ARGV, downscale=auto_config(tmp_path, map_margin=0.5, certify_resume=str(saved)))
+    assert calls == []
+
+
+@pytest.mark.parametrize(
+    ("table", "message"),
+    [
+        ({"mode": "auto"}, 'map_out: required when mode = "auto"'),
+        ({"mode": "auto", "map_out": "m", "map_images": 8}, 'map_images: not used with mode = "auto"'),
+        ({"mode": "auto", "map_out": "m", "after_map": "train"}, 'after_map: not used with mode = "auto"'),
+        ({"routes": [{"scale": 0.5, "sigma_min": 0.6}], "certify_budget": 0.2}, 'certify_budget: only used with mode = "auto"'),
+        ({"mode": "auto", "map_out": "m", "certify_budget": 0.7}, r"certify_budget: 0.7 is out of range \(allowed: 0 to 0.5\)"),
+    ],
+)
+def test_auto_keys_are_checked_before_any_model_loads(table, message):
+    with pytest.raises(ConfigError, match=message):
+        load_config(table=table)

@@ -179,7 +179,10 @@ class AutoSession(ProbeSession):
             if foreign and self.run.cfg.windows.foreign == "error":
                 raise HostError('mode = "auto": certify_resume:\n  - ' + "\n  - ".join(foreign))
             tests = load_tests(self.prior)
-            provenance["resumed_from"] = {"file": self.run.cfg.certify.resume, "native_step_equivalents": self.prior["cost"]["native_step_equivalents"]}
+            provenance["resumed_from"] = {
+                "file": self.run.cfg.certify.resume,
+                "native_step_equivalents": self.prior["cost"]["native_step_equivalents"],
+            }
         mass, mass_text = self.sigma_mass(backend.grids[0])
         provenance["sigma_sampler"] = mass_text
         source = BackendDraws(backend, self.bins, self.settings.draws, self.settings.seed)
@@ -225,7 +228,9 @@ class AutoSession(ProbeSession):
             }
         )
         if not run.cfg.routes:
-            logger.warning('downscale_plugin: mode = "auto": no route has a certified window at margin %g; training continues native', s.margin)
+            logger.warning(
+                'downscale_plugin: mode = "auto": no route has a certified window at margin %g; training continues native', s.margin
+            )
             return
         rules = "\n".join(f"  {row}".rstrip() for row in route_rows(run.cfg.routes))
         logger.info(

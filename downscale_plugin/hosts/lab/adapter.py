@@ -18,7 +18,7 @@ import torch
 
 from ...accounting import Accounting, StepRecord
 from ...arch import ARCHS, ArchSpec, get_arch
-from ...config import DownscaleConfig
+from ...config import DownscaleConfig, RouteRule
 from ...flops import FlopModel
 from ...lab import flux_train_utils, flux_utils
 from ...lab import trainer as lab_trainer
@@ -30,6 +30,9 @@ from ...scope import Patches
 from ...sigma import SigmaSampler
 from ..sd_scripts.families import FlowFamily
 from ..sd_scripts.hook import DownscaleHook, StepOptions
+from ..sd_scripts.map import MapHook
+from ..sd_scripts.run import carry_native
+from .auto import LabAutoSession
 
 # The lab trainer keeps the Flux trainer contract: Flux packing (patch 2) and ids from flux_utils.prepare_img_ids.
 LAB_ARCH = ArchSpec("lab", multiple=2, patch=2, vae_factor=FACTOR, positions="img_ids")
@@ -70,6 +73,8 @@ class LabPlugin:
     plan: Plan | None = None
     trace: list[StepTrace] = field(default_factory=list)
     arch: ArchSpec = field(init=False)
+    auto: LabAutoSession | None = None  # mode = "auto": the in-run certification
+    _args: argparse.Namespace | None = field(default=None, init=False, repr=False)  # the run's, for retarget
 
     def __post_init__(self) -> None:
         self.arch = LAB_ARCH if self.cfg.arch is None else get_arch(self.cfg.arch)
@@ -82,28 +87,47 @@ class LabPlugin:
         """The plugin for a lab run over ``data``'s buckets, costed with the lab DiT's FLOP shape."""
         return cls(cfg, FlopModel(*flop_shape(model_cfg)), [data.cfg.latent_hw(b) for b in data.cfg.buckets], batch_size)
 
-    @contextmanager
-    def installer(self, trainer: object, args: argparse.Namespace) -> Iterator[None]:
+    def _routing(self, cfg: DownscaleConfig, args: argparse.Namespace) -> Router:
+        """Router, plan and accounting for ``cfg``'s routes (no plan without routes: an auto run before its certification)."""
         total = args.max_train_steps * args.gradient_accumulation_steps
-        seed = self.cfg.seed if self.cfg.seed is not None else args.seed
-        router = Router.from_config(self.cfg, self.arch, seed, total)
-        self.plan = plan_table(
-            self.cfg, self.arch, lab_sampler(args), self.buckets, self.batch_size, flop_model=self.flop_model, total_forwards=total
+        seed = cfg.seed if cfg.seed is not None else args.seed
+        router = Router.from_config(cfg, self.arch, seed, total)
+        self.plan = (
+            plan_table(cfg, self.arch, lab_sampler(args), self.buckets, self.batch_size, flop_model=self.flop_model, total_forwards=total)
+            if cfg.routes or cfg.mode == "train"
+            else None
         )
         self.accounting = Accounting(
-            self.cfg.routes,
+            cfg.routes,
             self.flop_model,
-            self.plan.probs,
-            predicted_flop_saving=self.plan.flop_saving,
-            token_values=Accounting.vocabulary(self.buckets, self.cfg.routes, self.arch, self.cfg.tier_tolerance),
-            sigma_policy=self.cfg.fasterdit.sigma_policy,
+            self.plan.probs if self.plan else None,
+            predicted_flop_saving=self.plan.flop_saving if self.plan else None,
+            token_values=Accounting.vocabulary(self.buckets, cfg.routes, self.arch, cfg.tier_tolerance),
+            sigma_policy=cfg.fasterdit.sigma_policy,
         )
+        self.cfg = cfg
+        return router
+
+    def retarget(self, routes: Sequence[RouteRule], hook: DownscaleHook) -> None:
+        """Route by ``routes`` from the next step on, the steps so far counted as native (an auto run's certification)."""
+        before = self.accounting
+        hook.router = self._routing(self.cfg.with_routes(routes), self._args)
+        carry_native(before, self.accounting)
+
+    @contextmanager
+    def installer(self, trainer: object, args: argparse.Namespace) -> Iterator[None]:
+        self._args = args
+        router = self._routing(self.cfg, args)
         options = StepOptions.from_config(self.cfg, loss_module=lab_trainer, positions_arch=LAB_ARCH, positions_module=flux_utils)
-        hook = DownscaleHook(
+        auto = self.cfg.mode == "auto" and self.cfg.certify.budget > 0
+        hook = (MapHook if auto else DownscaleHook)(
             router, FlowFamily(flux_train_utils, "flux"), options=options, on_step=self._on_step, step_logs=self._step_logs
         )
         patches = Patches()  # the run's record, as sd-scripts' DownscaleRun keeps one
         hook.install(trainer, patches)
+        if auto:
+            self.auto = LabAutoSession(self, args, self.cfg.seed if self.cfg.seed is not None else args.seed)
+            self.auto.install(trainer, hook, patches)
         try:
             yield
         finally:

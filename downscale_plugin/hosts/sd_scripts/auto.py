@@ -41,7 +41,6 @@ from ...config import load_config
 from ...grid import target_grid
 from ...mapping.arms import latent_arm
 from ...plan import format_plan
-from ...rng import forked
 from ...text import pct, route_rows
 from ..kohya import model_identity
 from .buckets import DatasetBuckets
@@ -167,40 +166,39 @@ class AutoSession(ProbeSession):
         return mass, f"the host's sampler ({MASS_SAMPLES} draws at latent {latent_hw[0]}x{latent_hw[1]})"
 
     def complete(self, arguments: dict[str, Any]) -> None:
-        from ...mapping.certify import BackendDraws, load_tests, run_certify
-        from ...mapping.certify_cli import console_table, foreign_problems, write_outputs
+        from ...mapping.in_run import ForeignEvidence, certify_in_run
 
         backend = self.backend(arguments)
-        described = backend.describe()
-        provenance: dict[str, Any] = {"command": self.command(), "backend": described}
-        tests = []
-        if self.prior is not None:
-            foreign = foreign_problems(self.prior.get("provenance", {}).get("backend", {}), described)
-            if foreign and self.run.cfg.windows.foreign == "error":
-                raise HostError('mode = "auto": certify_resume:\n  - ' + "\n  - ".join(foreign))
-            tests = load_tests(self.prior)
-            provenance["resumed_from"] = {
-                "file": self.run.cfg.certify.resume,
-                "native_step_equivalents": self.prior["cost"]["native_step_equivalents"],
-            }
         mass, mass_text = self.sigma_mass(backend.grids[0])
-        provenance["sigma_sampler"] = mass_text
-        source = BackendDraws(backend, self.bins, self.settings.draws, self.settings.seed)
-        t0 = time.perf_counter()
-        with forked(self.devices):
-            self.result = run_certify(source, self.routes, self.bins, self.settings, mass, provenance=provenance, prior=tests)
-        self.certify_s = time.perf_counter() - t0
-        toml_path, json_path = write_outputs(self.result, source, self.out_dir, self.command())
-        self.paths = {"toml": toml_path, "json": json_path}
+        prior = (self.run.cfg.certify.resume, self.prior) if self.prior is not None else None
+        try:
+            done = certify_in_run(
+                backend,
+                self.routes,
+                self.bins,
+                self.settings,
+                mass,
+                mass_text,
+                self.out_dir,
+                self.command(),
+                prior,
+                self.run.cfg.windows.foreign,
+            )
+        except ForeignEvidence as err:
+            raise HostError(f'mode = "auto": {err}') from None
+        for text in done.foreign:
+            logger.warning('downscale_plugin: certify_resume: %s; windows_foreign = "warn": continuing it anyway', text)
+        self.result, self.certify_s = done.result, done.seconds
+        self.paths = {"toml": done.windows_toml, "json": done.certify_json}
         logger.info(
             "downscale_plugin: certified before train batch %d (%.1f s)\n%s\nwrote %s\nwrote %s",
             self.batches,
-            self.certify_s,
-            console_table(self.result, source),
-            toml_path,
-            json_path,
+            done.seconds,
+            done.table,
+            done.windows_toml,
+            done.certify_json,
         )
-        self.train_with(toml_path)
+        self.train_with(done.windows_toml)
 
     def train_with(self, windows_path: str) -> None:
         """The certified windows become the run's routes: router, plan, accounting, metadata; log them."""

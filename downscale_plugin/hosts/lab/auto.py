@@ -1,0 +1,105 @@
+"""``mode = "auto"`` on the lab trainer: certify windows inside a lab LoRA run, then train with them.
+
+The same steps as the sd-scripts host (``hosts/sd_scripts/auto.py``): the first 16 training samples
+become probes; before the batch that completes them the certifier (``mapping/in_run.py``) runs once
+over them, every draw the lab trainer's own ``process_batch`` at the route's grid and a σ of the bin
+(the map hook's forcing), within ``certify_budget`` of the run's native compute; the certified
+windows become the run's routes from that batch on. The certification's time falls inside that
+batch's step time, so a run's wall time includes it. The lab latents' tiers are counted at the
+config's ``arch`` (``"flux"``: 8 px per cell), as the windows TOML names them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import os
+from typing import TYPE_CHECKING, Any
+
+import toml
+
+from ... import __version__
+from ...bins import parse_bins
+from ...config import load_config
+from ...mapping.arms import latent_arm
+from ...mapping.certify import CertifySettings, settings_problems
+from ...mapping.sequential import Looks
+from ...scope import Patches
+from ..sd_scripts.map import MapHook
+from ..sd_scripts.map_backend import SdScriptsBackend, split_batch
+
+if TYPE_CHECKING:
+    from ...mapping.in_run import InRunCertification
+    from .adapter import LabPlugin
+
+
+class LabAutoSession:
+    """One lab ``auto`` run: probe collection, the certification, the switch to its windows."""
+
+    def __init__(self, plugin: LabPlugin, args: argparse.Namespace, seed: int):
+        cfg = plugin.cfg
+        problems = []
+        if cfg.arch is None:
+            problems.append('arch: mode = "auto" on the lab needs an arch (e.g. "flux"): the windows name tiers at its VAE factor')
+        if not cfg.map.out:
+            problems.append('map_out: required when mode = "auto"')
+        looks = Looks()
+        self.plugin, self.args, self.images = plugin, args, looks.last
+        self.routes = [latent_arm(r) for r in cfg.map.ratios]
+        self.bins = parse_bins(cfg.map.bins)
+        self.passes = args.max_train_steps * args.gradient_accumulation_steps * plugin.batch_size
+        self.settings = CertifySettings(
+            cfg.map.margin, cfg.certify.draws, looks, cfg.certify.budget * self.passes, seed, cfg.certify.spot_checks
+        )
+        problems += [f"certify_{p}" for p in settings_problems(self.settings)]
+        if problems:
+            raise ValueError('mode = "auto":\n  - ' + "\n  - ".join(problems))
+        self.probes: list[dict[str, Any]] = []
+        self.batches = 0
+        self.done: InRunCertification | None = None
+
+    def install(self, trainer: Any, hook: MapHook, patches: Patches) -> None:
+        """Wrap the trainer's ``process_batch`` until the probes are in (undone then, or at the run's end)."""
+        current = trainer.process_batch
+        signature = inspect.signature(type(trainer).process_batch)
+        own = Patches()
+
+        def process_batch(*args: Any, **kwargs: Any) -> Any:
+            call = signature.bind(trainer, *args, **kwargs)
+            call.apply_defaults()
+            if call.arguments["is_train"]:
+                self.batches += 1
+                self.probes += split_batch(call.arguments["batch"])
+                if len(self.probes) >= self.images:
+                    own.undo()
+                    self.certify(trainer, hook, call.arguments)
+            return current(*args, **kwargs)
+
+        own.set(trainer, "process_batch", process_batch)
+        patches.on_undo(own.undo)
+
+    def certify(self, trainer: Any, hook: MapHook, arguments: dict[str, Any]) -> None:
+        from ...mapping.in_run import certify_in_run
+        from .adapter import lab_sampler
+
+        cfg = self.plugin.cfg
+        rest = {k: v for k, v in arguments.items() if k not in ("self", "batch")}
+        params = [p for p in arguments["network"].parameters() if p.requires_grad]
+        info = {
+            "model": f"lab DiT ({sum(p.numel() for p in arguments['unet'].parameters()) / 1e6:.2f} M parameters)",
+            "adapter": f"the run's LoRA (rank {self.args.network_dim}) after {self.batches - 1} native step(s)",
+            "data": f"the run's first {self.images} training samples",
+            "plugin_version": __version__,
+        }
+        host_step = type(trainer).process_batch
+        backend = SdScriptsBackend(
+            self.probes[: self.images], lambda probe: host_step(trainer, probe, **rest), hook.forcing, params, cfg.arch, (), info
+        )
+        sampler, hw = lab_sampler(self.args), backend.grids[0]
+        text = f"lab trainer: timestep_sampling {self.args.timestep_sampling} at latent {hw[0]}x{hw[1]}"
+        command = f"lab train_lora (mode = auto, before train batch {self.batches})"
+        out = os.path.abspath(cfg.map.out)
+        self.done = certify_in_run(
+            backend, self.routes, self.bins, self.settings, lambda lo, hi: sampler.mass(lo, hi, hw) if hi > lo else 0.0, text, out, command
+        )
+        self.plugin.retarget(load_config(plugin_toml=toml.load(self.done.windows_toml)).routes, hook)

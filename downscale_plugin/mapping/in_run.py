@@ -1,0 +1,70 @@
+"""Certification inside a training run (``mode = "auto"``): one call from a host's probes to written windows.
+
+A host hands over a :class:`~downscale_plugin.mapping.arms.MapBackend` over its own probes and step,
+the σ mass of its own sampler and, to continue, an earlier ``certify.json``; this runs the certifier
+(``certify.py``) in a fork of every generator the host draws from, writes ``windows.toml`` and
+``certify.json`` as the ``certify`` command does, and returns what the host routes and reports by.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from ..bins import SigmaBins
+from ..rng import forked
+from .arms import Arm, MapBackend
+from .certify import BackendDraws, CertifyResult, CertifySettings, load_tests, run_certify
+from .certify_cli import console_table, foreign_problems, write_outputs
+
+
+class ForeignEvidence(ValueError):
+    """The continued ``certify.json`` was measured on another model, arch or tier."""
+
+
+@dataclass(frozen=True)
+class InRunCertification:
+    result: CertifyResult
+    windows_toml: str
+    certify_json: str
+    seconds: float
+    table: str  # the console table, for the host's log
+    foreign: tuple[str, ...] = ()  # mismatches of continued evidence used anyway (foreign = "warn"), for the host's log
+
+
+def certify_in_run(
+    backend: MapBackend,
+    routes: Sequence[Arm],
+    bins: SigmaBins,
+    settings: CertifySettings,
+    mass: Callable[[float, float], float],
+    mass_text: str,
+    out_dir: str,
+    command: str,
+    prior: tuple[str, dict[str, Any]] | None = None,
+    foreign: str = "error",
+) -> InRunCertification:
+    """Certify ``routes`` over ``backend``'s probes and write the outputs to ``out_dir``.
+
+    ``prior`` is (path, the parsed ``certify.json``) whose evidence continues (its settings are the
+    host's to check before the run starts, ``certify_cli.resume_problems``); one measured on another
+    model, arch or tier raises :class:`ForeignEvidence` unless ``foreign = "warn"``."""
+    described = backend.describe()
+    provenance: dict[str, Any] = {"command": command, "backend": described, "sigma_sampler": mass_text}
+    tests, mismatches = [], []
+    if prior is not None:
+        path, blob = prior
+        mismatches = foreign_problems(blob.get("provenance", {}).get("backend", {}), described)
+        if mismatches and foreign == "error":
+            raise ForeignEvidence("certify_resume:\n  - " + "\n  - ".join(mismatches))
+        tests = load_tests(blob)
+        provenance["resumed_from"] = {"file": path, "native_step_equivalents": blob["cost"]["native_step_equivalents"]}
+    source = BackendDraws(backend, bins, settings.draws, settings.seed)
+    t0 = time.perf_counter()
+    with forked(backend.rng_devices):
+        result = run_certify(source, routes, bins, settings, mass, provenance=provenance, prior=tests)
+    seconds = time.perf_counter() - t0
+    toml_path, json_path = write_outputs(result, source, out_dir, command)
+    return InRunCertification(result, toml_path, json_path, seconds, console_table(result, source), tuple(mismatches))

@@ -153,3 +153,43 @@ def test_evidence_for_other_settings_is_refused_at_prepare_network(tmp_path, ste
 def test_auto_keys_are_checked_before_any_model_loads(table, message):
     with pytest.raises(ConfigError, match=message):
         load_config(table=table)
+
+
+def _decisions(monkeypatch) -> list[tuple]:
+    """(rule index, lead σ, drawn σ) of every train forward, in order."""
+    from downscale_plugin.hosts.sd_scripts.run import DownscaleRun
+
+    seen: list[tuple] = []
+    on_step = DownscaleRun.on_step
+
+    def spy(self, step, decision, *rest, **kw):
+        seen.append((decision.rule_index, decision.lead, tuple(decision.sigmas.reshape(-1).tolist())))
+        return on_step(self, step, decision, *rest, **kw)
+
+    monkeypatch.setattr(DownscaleRun, "on_step", spy)
+    return seen
+
+
+def test_a_resumed_auto_run_routes_by_the_certified_windows_without_certifying_again(tmp_path, monkeypatch, steps):  # noqa: F811
+    """Accumulation 2, batch 4: the probes are in at forward 4 (step 2); a state at step 8. Resumed there, the run
+    takes the state's certified routes from its first forward and routes exactly as the uninterrupted run did."""
+    base = ("--resolution", RES, "--train_batch_size", "4", "--gradient_accumulation_steps", "2", "--max_train_steps", "24",
+            "--dataset_size", "192", "--seed", "5")  # fmt: skip
+    config = auto_config(tmp_path, map_margin=0.99)
+    seen = _decisions(monkeypatch)
+    first = run_double("flux", *base, "--save_state", "--save_every_n_steps", "8", "--output_dir", str(tmp_path / "a"), downscale=config)
+    reference = list(seen)
+    certified = first.last_run.network.downscale_run.cfg.routes
+    assert certified and len(reference) == 48 and any(rule >= 0 for rule, _, _ in reference[4:16])
+    seen.clear()
+    calls = steps("flux")
+    state = tmp_path / "a" / "last-step00000008-state"
+    resumed = run_double(
+        "flux", *base, "--resume", str(state), "--skip_until_initial_step", "--output_dir", str(tmp_path / "b"), downscale=config
+    ).last_run
+    run = resumed.network.downscale_run
+    assert run.cfg.routes == certified and [shape for shape, _ in calls if shape[0] == 1] == []  # no probe draw ran
+    assert len(seen) == 16 and seen == reference[16:32]  # the host's resume arithmetic: forward 16 on, 16 forwards (8 steps) left
+    with safe_open(str(tmp_path / "b" / "last.safetensors"), "pt") as f:
+        meta = f.metadata()
+    assert json.loads(meta["ss_downscale_map"])["method"] == "certify" and json.loads(meta["ss_downscale_counts"])["forwards"] == 32

@@ -241,6 +241,8 @@ class AutoSession(ProbeSession):
     def summary_lines(self) -> list[str]:
         """The end summary's certification lines: cost against the run, routed share, net saving."""
         if self.result is None:
+            if self.measured:  # adopted from a resumed state
+                return ["  certification: none in this run; the resumed state's windows, certified before it was saved, route it"]
             return []
         totals = self.run.totals
         spent = self.result.spent

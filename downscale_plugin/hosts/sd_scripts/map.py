@@ -188,6 +188,7 @@ class ProbeSession:
 
         self.patches.set(trainer, "process_batch", process_batch)
         self.run.patches.on_undo(self.patches.undo)  # a run that ends before its measurement
+        self.run.adopt_saved = self.adopt
 
     def offer(self, arguments: dict[str, Any]) -> None:
         """A train batch: take its samples as probes; with enough, run the measurement and what follows it."""
@@ -201,6 +202,22 @@ class ProbeSession:
 
     def complete(self, arguments: dict[str, Any]) -> None:
         raise NotImplementedError
+
+    def adopt(self, saved: dict[str, Any]) -> None:
+        """A ``--resume``d state saved after the measurement: its routes (and what measured them) are this
+        run's from the first step, and nothing is measured again (the probes, the adapter and the cost would
+        all be new; the saved run's routed steps were taken under these routes)."""
+        routes = load_config(table={"routes": saved["routes"]}).routes
+        self.patches.undo()
+        self.measured = True
+        self.run.retarget(routes)
+        if saved.get("measurement"):
+            self.run.extra_metadata["ss_downscale_map"] = saved["measurement"]
+        logger.info(
+            'downscale_plugin: mode = "%s": the resumed state was saved after the measurement; routing by its windows, not measuring again\n%s',
+            self.mode,
+            "\n".join(f"  {row}".rstrip() for row in route_rows(routes)),
+        )
 
     def backend(self, arguments: dict[str, Any], vae: HostVae | None = None) -> SdScriptsBackend:
         """The map backend over the first ``images`` probes: every draw the trainer class's own ``process_batch``."""

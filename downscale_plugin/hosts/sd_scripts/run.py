@@ -147,6 +147,8 @@ class DownscaleRun:
         self.host_state: dict | None = None  # the host's train_state.json of the state it resumed from
         self.patches = Patches()  # undone by close(), at the run's end
         self._pending: dict | None = None  # restored counts for other routes (a map run: merged once they match)
+        # An in-run measurement (map, auto) takes over the routes a resumed state was measured into, instead of measuring again.
+        self.adopt_saved: Callable[[dict], None] | None = None
 
     def retarget(self, routes: Sequence[RouteRule]) -> Plan | None:
         """Route by ``routes`` from now on (after an in-run map): router, plan and accounting follow, the
@@ -214,6 +216,8 @@ class DownscaleRun:
         if self.rank != 0:
             return
         payload = {"version": version(), "routes": self._counts_layout(), "counts": self.totals.state()}
+        if "ss_downscale_map" in self.extra_metadata:  # what measured those routes, for a resumed run's metadata
+            payload["measurement"] = self.extra_metadata["ss_downscale_map"]
         path = os.path.join(output_dir, COUNTS_FILE)
         os.makedirs(output_dir, exist_ok=True)
         with open(path, "w", encoding="utf-8") as f:
@@ -233,6 +237,8 @@ class DownscaleRun:
             self._restore(json.load(f), input_dir)
 
     def _restore(self, saved: dict, source: str) -> None:
+        if saved.get("routes") != self._counts_layout() and saved.get("routes") and self.adopt_saved is not None:
+            self.adopt_saved(saved)  # retargets to the saved routes: the layouts match below
         if saved.get("routes") != self._counts_layout():
             self._pending = saved
             logger.warning(

@@ -14,6 +14,7 @@ from . import cli
 
 COMMAND_MODULES = (
     "downscale_plugin.hosts.sd_scripts.cli",
+    "downscale_plugin.hosts.musubi.cli",
     "downscale_plugin.hosts.lab.cli",
     "downscale_plugin.mapping.cli",
     "downscale_plugin.mapping.certify_cli",

@@ -66,14 +66,14 @@ ARCHS: dict[str, ArchSpec] = {
         ArchSpec("hunyuan_image", 1, 1, 32, FlopModel(3584, 20 + 40, text_tokens=256), "meshgrid"),
         ArchSpec("sdxl", 4, 1, 8, FlopModel(320, 1, attention=False)),
         ArchSpec("sd1", 1, 1, 8, FlopModel(320, 1, attention=False)),
-        # musubi-tuner's (coarse a·N + b·N² per frame's tokens; hosts/musubi/start.py scales N by the run's latent
-        # frames): wan: Wan 2.1/2.2 14B, dim 5120, 40 blocks, FFN 13824, text by cross-attention (its q, o on
-        # the video tokens: mlp_ratio 3.7), patch 1×2×2; hunyuan_video: 13B, hidden 3072, 20 double + 40 single
+        # musubi-tuner's (hosts/musubi/start.py runs each at F × a frame's tokens): wan: Wan 2.1/2.2 14B per block
+        # (flops.wan_flops: dim 5120, 40 blocks, FFN 13824, cross-attention to 512 T5 tokens), patch 1×2×2; the
+        # others coarse a·N + b·N²: hunyuan_video: 13B, hidden 3072, 20 double + 40 single
         # blocks, 256 text tokens in the sequence; hunyuan_video_1_5: hidden 2048, 54 double blocks, patch 1 on
         # its 16× VAE; qwen_image: 60 dual-stream blocks of 3072, Qwen2.5-VL text in the joint attention;
         # flux_2: FLUX.2 dev, hidden 6144, 8 double + 48 single blocks, mlp 3, latents already packed to 1/16;
         # z_image: dim 3840, 30 layers, SwiGLU 10240 (mlp_ratio 4 in MACs), caption tokens in the sequence.
-        ArchSpec("wan", 2, 2, 8, FlopModel(5120, 40, mlp_ratio=3.7)),
+        ArchSpec("wan", 2, 2, 8, arch_flops("wan")),
         ArchSpec("hunyuan_video", 2, 2, 8, FlopModel(3072, 20 + 40, text_tokens=256)),
         ArchSpec("hunyuan_video_1_5", 1, 1, 16, FlopModel(2048, 54, text_tokens=256)),
         ArchSpec("qwen_image", 2, 2, 8, FlopModel(3072, 60, text_tokens=256)),

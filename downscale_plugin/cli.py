@@ -5,6 +5,11 @@ imported; the front door (``downscale_plugin/__main__.py``) imports every such m
 :func:`main`, so this core module names no feature or host. A host
 package adds its parts to the commands here the same way: :func:`register_host` gives ``check``
 its training-config reader and ``plan`` (and ``snr``) the host's σ samplers and buckets.
+
+Hosts share flag names (``--timestep_sampling``, ``--discrete_flow_shift``, ...) with their own
+meanings and choices, so a command's host options are per host: a command registered with
+``host_arguments`` gets ``--host``, and :func:`main` reads ``--host`` from the command line first
+and builds the parser with that host's options only (``plan --host NAME --help`` lists them).
 """
 
 from __future__ import annotations
@@ -27,18 +32,24 @@ class Command:
     help: str
     add_arguments: Callable[[argparse.ArgumentParser], None]
     run: Callable[[argparse.Namespace], int]
+    host_arguments: Callable[[argparse.ArgumentParser, HostPart], None] | None = None  # the selected host's options
 
 
 COMMANDS: dict[str, Command] = {}
 
 
 def register(
-    name: str, help: str, add_arguments: Callable[[argparse.ArgumentParser], None], run: Callable[[argparse.Namespace], int]
+    name: str,
+    help: str,
+    add_arguments: Callable[[argparse.ArgumentParser], None],
+    run: Callable[[argparse.Namespace], int],
+    host_arguments: Callable[[argparse.ArgumentParser, HostPart], None] | None = None,
 ) -> None:
-    """Add a subcommand; ``run`` returns the exit code."""
+    """Add a subcommand; ``run`` returns the exit code. ``host_arguments(parser, part)``: the command
+    takes ``--host`` and these options of the selected host (only that host's: hosts share flag names)."""
     if name in COMMANDS:
         raise ValueError(f"command {name!r} is already registered")
-    COMMANDS[name] = Command(help, add_arguments, _needing_extras(name, run))
+    COMMANDS[name] = Command(help, add_arguments, _needing_extras(name, run), host_arguments)
 
 
 def _needing_extras(name: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
@@ -111,7 +122,8 @@ class HostPart:
     ``add_arguments``: those and its bucket and run-length options (``plan``);
     ``sampler(arch, host)`` → (sampler, description); ``plan_inputs(args, host, arch)``;
     ``latent_scale(arch)``: what the trainer multiplies cached latents by (``snr``);
-    ``read_command_line(argv)`` → (config, merged host args): ``check -- TRAINER COMMAND`` (None: not offered).
+    ``read_command_line(argv)`` → (config, merged host args): ``check -- TRAINER COMMAND`` (None: not offered);
+    ``arch_hint(args)`` → the architecture the host's own options name (musubi-tuner's training script), or None.
     """
 
     name: str
@@ -123,6 +135,7 @@ class HostPart:
     plan_inputs: Callable[[argparse.Namespace, HostArgs, str], PlanInputs]
     latent_scale: Callable[[str], float]
     read_command_line: Callable[[Sequence[str]], tuple[DownscaleConfig, dict[str, Any]]] | None = None
+    arch_hint: Callable[[argparse.Namespace], str | None] | None = None
 
 
 HOSTS: dict[str, HostPart] = {}
@@ -139,6 +152,29 @@ def host_part(args: argparse.Namespace) -> HostPart:
     return HOSTS[name]
 
 
+def _add_host_argument(parser: argparse.ArgumentParser, selected: str) -> None:
+    if len(HOSTS) > 1:
+        default = next(iter(HOSTS))
+        parser.add_argument(
+            "--host",
+            choices=list(HOSTS),
+            default=default,
+            help=f"the trainer (default {default}); the options below are {selected}'s: --host NAME --help lists another host's",
+        )
+
+
+def selected_host(argv: Sequence[str]) -> str:
+    """The ``--host`` a command line names (before any ``--``; ``--host=NAME`` or an abbreviation too), else the default."""
+    tokens = list(argv)
+    tokens = tokens[: tokens.index("--")] if "--" in tokens else tokens
+    found = None
+    for i, token in enumerate(tokens):
+        flag, eq, value = token.partition("=")
+        if len(flag) > 3 and "--host".startswith(flag):
+            found = value if eq else (tokens[i + 1] if i + 1 < len(tokens) else None)
+    return found if found is not None else next(iter(HOSTS), "")
+
+
 # -- config -------------------------------------------------------------------------------------
 
 
@@ -146,8 +182,6 @@ def add_config_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group(required=True)
     group.add_argument("--config_file", metavar="TRAIN_TOML", help="training TOML ([plugins.downscale] and/or network_args)")
     group.add_argument("--config", metavar="PLUGIN_TOML", help="plugin TOML, the plugin's keys at top level")
-    if len(HOSTS) > 1:
-        parser.add_argument("--host", choices=list(HOSTS), default=next(iter(HOSTS)), help="the trainer (default %(default)s)")
 
 
 def load_cli_config(args: argparse.Namespace) -> tuple[DownscaleConfig, dict[str, Any], str]:
@@ -172,8 +206,6 @@ def _add_check_arguments(parser: argparse.ArgumentParser) -> None:
     group = parser.add_mutually_exclusive_group()
     group.add_argument("--config_file", metavar="TRAIN_TOML", help="training TOML ([plugins.downscale] and/or network_args)")
     group.add_argument("--config", metavar="PLUGIN_TOML", help="plugin TOML, the plugin's keys at top level")
-    if len(HOSTS) > 1:
-        parser.add_argument("--host", choices=list(HOSTS), default=next(iter(HOSTS)), help="the trainer (default %(default)s)")
     parser.add_argument(
         "trainer_command",
         nargs="*",
@@ -236,9 +268,17 @@ def add_arch_argument(parser: argparse.ArgumentParser) -> None:
 
 
 def resolve_arch(args: argparse.Namespace, cfg: DownscaleConfig, host: HostPart) -> str:
-    arch = args.arch or cfg.arch
+    """``--arch``, else the config's arch, else the one the host's options name; a disagreement is an error."""
+    hint = host.arch_hint(args) if host.arch_hint is not None else None
+    arch = args.arch or cfg.arch or hint
+    if hint is not None and arch != hint:
+        where = "--arch" if args.arch else "the config's arch"
+        raise ConfigError([f"arch: {where} is {arch!r} but the host's options name {hint!r}; give one of them, or make them agree"])
     if arch is None:
-        raise ConfigError([f"arch: unknown; pass --arch or set arch in the config (allowed for {host.name}: {', '.join(host.archs)})"])
+        named = f", or name it with {host.name}'s options (--host {host.name} --help)" if host.arch_hint is not None else ""
+        raise ConfigError(
+            [f"arch: unknown; pass --arch or set arch in the config{named} (allowed for {host.name}: {', '.join(host.archs)})"]
+        )
     if arch not in host.archs:
         raise ConfigError([f"arch: {arch!r} is not trained by {host.name} (allowed: {', '.join(host.archs)})"])
     return arch
@@ -247,8 +287,6 @@ def resolve_arch(args: argparse.Namespace, cfg: DownscaleConfig, host: HostPart)
 def _add_plan_arguments(parser: argparse.ArgumentParser) -> None:
     add_config_arguments(parser)
     add_arch_argument(parser)
-    for part in HOSTS.values():
-        part.add_arguments(parser)
     parser.add_argument("--mc_samples", type=int, default=200_000, help="Monte-Carlo draws per bucket for samplers without a closed form")
 
 
@@ -287,18 +325,52 @@ register(
     "validate a config, or a whole training command line after '--', and print its routes (exit 2 listing every problem)",
     _add_check_arguments,
     _run_check,
+    host_arguments=lambda parser, part: None,  # only --host: which trainer reads the TOML / command line
 )
-register("plan", "predict route frequencies and savings for the host's σ sampler and buckets", _add_plan_arguments, _run_plan)
+register(
+    "plan",
+    "predict route frequencies and savings for the host's σ sampler and buckets",
+    _add_plan_arguments,
+    _run_plan,
+    host_arguments=lambda parser, part: part.add_arguments(parser),
+)
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser(host: str | None = None) -> argparse.ArgumentParser:
+    """The whole parser; commands that take ``--host`` get the options of ``host`` (default: the first
+    registered host; an unknown name adds none, and ``--host`` then refuses it with the choices)."""
+    selected = host if host is not None else next(iter(HOSTS), "")
     parser = argparse.ArgumentParser(prog="python -m downscale_plugin", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    parser.set_defaults(command_parsers={})
     for name, cmd in COMMANDS.items():
-        cmd.add_arguments(sub.add_parser(name, help=cmd.help, description=cmd.help))
+        command = sub.add_parser(name, help=cmd.help, description=cmd.help)
+        parser.get_default("command_parsers")[name] = command
+        cmd.add_arguments(command)
+        if cmd.host_arguments is not None:
+            _add_host_argument(command, selected)
+            if selected in HOSTS:
+                cmd.host_arguments(command, HOSTS[selected])
     return parser
 
 
+def _parse(argv: Sequence[str], host: str) -> argparse.Namespace:
+    """Parse with ``host``'s options; an option the command does not know is an error naming the host whose options were read."""
+    parser = build_parser(host)
+    args, extra = parser.parse_known_args(argv)
+    if extra:
+        command = parser.get_default("command_parsers")[args.command]
+        hosted = COMMANDS[args.command].host_arguments is not None and len(HOSTS) > 1
+        where = f" (read with host {host}'s options; another trainer's: --host {'|'.join(HOSTS)})" if hosted else ""
+        command.error(f"unrecognized arguments: {' '.join(extra)}{where}")
+    return args
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    host = selected_host(argv)
+    args = _parse(argv, host)
+    if getattr(args, "host", host) != host:  # spelled in a way the scan missed: parse again with the host argparse chose
+        args = _parse(argv, args.host)
+    del args.command_parsers
     return COMMANDS[args.command].run(args)

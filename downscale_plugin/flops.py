@@ -343,14 +343,56 @@ def anima_flops(
     )
 
 
+def wan_flops(
+    *, dim: int = 5120, ffn: int = 13824, layers: int = 40, text_tokens: int = 512, text_dim: int = 4096, in_channels: int = 16,
+    patch: int = 4, freq_dim: int = 256, time_per_token: bool = True, lora_rank: int = 16, checkpointing: bool = False,
+) -> StepFlops:  # fmt: skip
+    """Wan 2.1/2.2 text-to-video (musubi-tuner ``wan/modules/model.py`` ``WanModel``; 14B: dim 5120, 40 layers,
+    40 heads, FFN 13824): per block self-attention over all F·H·W/4 video tokens (q, k, v, o), cross-attention
+    from the video tokens to the T5 context padded to ``text_len`` = 512 (q, o on the video, k, v on the text
+    embedding), a GELU FFN; modulation adds a learned table to the time embedding (no matmul). The time
+    embedding and its 6·dim projection run per token in Wan 2.2 (``time_per_token``, default), per sample in
+    2.1 and with ``--force_v2_1_time_embedding``. ``patch``: latent cells per token (1×2×2). ``networks.lora_wan``
+    adapts every linear of the blocks, not the embeddings, norms or head; nothing below the first block
+    trains, so its q, k, v get no input gradient, and the cross-attention's k, v (on the frozen text
+    embedding) carry one only through their LoRA factors."""
+    h, p = dim, in_channels * patch
+    frozen = lambda rows, i, o: Matmul(rows, i, o, lora=False, grad=False)  # noqa: E731
+    per = "image" if time_per_token else "sample"
+    embed = (
+        _embed("image", p, h), frozen("text", text_dim, h), frozen("text", h, h),
+        frozen(per, freq_dim, h), frozen(per, h, h), frozen(per, h, 6 * h),
+    )  # fmt: skip
+    rest = (
+        Matmul("image", h, h),  # self-attention output
+        Matmul("image", h, h), Matmul("text", h, h, grad=False), Matmul("text", h, h, grad=False), Matmul("image", h, h),
+        Matmul("image", h, ffn), Matmul("image", ffn, h),
+    )  # fmt: skip
+    qkv = lambda grad: tuple(Matmul("image", h, h, grad=grad) for _ in range(3))  # noqa: E731
+    attention = (Attention("image", "image", h), Attention("image", "text", h, keys_grad=lora_rank > 0))
+    return StepFlops(
+        "wan",
+        (
+            Stage("embedders", 1, embed, blocks=False),
+            Stage("first", 1, (*qkv(False), *rest), attention),
+            Stage("other", layers - 1, (*qkv(True), *rest), attention),
+            Stage("final", 1, (Matmul("image", h, p, lora=False),), blocks=False),
+        ),
+        text_tokens,
+        lora_rank=lora_rank,
+        checkpointing=checkpointing,
+    )
+
+
 # Published configs, and the benchmark's reduced depth (benchmarks/bench_production.py: two blocks of each kind).
-BUILDERS = {"flux": flux_flops, "chroma": flux_flops, "sd3": sd3_flops, "lumina": lumina_flops, "anima": anima_flops}
+BUILDERS = {"flux": flux_flops, "chroma": flux_flops, "sd3": sd3_flops, "lumina": lumina_flops, "anima": anima_flops, "wan": wan_flops}
 REDUCED = {
     "flux": {"double": 2, "single": 2},
     "chroma": {"double": 2, "single": 2},
     "sd3": {"blocks": 5, "x_attn": 2},
     "lumina": {"layers": 2},
     "anima": {"blocks": 2},
+    "wan": {"layers": 2},
 }
 
 

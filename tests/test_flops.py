@@ -18,7 +18,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.utils.flop_counter import FlopCounterMode
 
 from downscale_plugin.arch import ARCHS
-from downscale_plugin.flops import FlopModel, Matmul, StepFlops, anima_flops, arch_flops, flux_flops, lumina_flops, sd3_flops
+from downscale_plugin.flops import FlopModel, Matmul, StepFlops, anima_flops, arch_flops, flux_flops, lumina_flops, sd3_flops, wan_flops
 from downscale_plugin.hosts.sd_scripts.flop_args import run_flops
 
 pytest.importorskip("diffusers")
@@ -104,6 +104,52 @@ def test_anima_block_matches_its_count(n, t):
     block = frozen(CosmosTransformerBlock(heads, d, context, adaln_lora_dim=lora))
     text, embedded, temb = torch.randn(1, t, context), torch.randn(1, h), torch.randn(1, 3 * h)
     assert counted(lambda: block(grad_input(1, n, h), text, embedded, temb)) == stage(model, "other", n)
+
+
+@pytest.fixture(scope="module")
+def musubi_wan():
+    """musubi-tuner's ``WanModel`` and ``networks.lora_wan`` (its ``wan/modules/t5.py`` evaluates
+    ``torch.cuda.current_device()`` at import, stubbed here for a machine without a GPU)."""
+    pytest.importorskip("musubi_tuner", reason="musubi-tuner is not importable")
+    current = torch.cuda.current_device
+    torch.cuda.current_device = lambda: 0
+    try:
+        from musubi_tuner.networks import lora_wan
+        from musubi_tuner.wan.modules.model import WanModel
+    finally:
+        torch.cuda.current_device = current
+    return WanModel, lora_wan
+
+
+@pytest.mark.parametrize("version", ["2.1", "2.2"])
+@pytest.mark.parametrize(("frames", "height", "width", "t"), [(2, 4, 6, 5), (1, 6, 10, 7)])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_wan_lora_step_matches_its_count(musubi_wan, version, frames, height, width, t, checkpointing):
+    """A whole tiny musubi-tuner WanModel with networks.lora_wan at rank 4: embedders, F·H·W/4 video tokens
+    through self-attention, cross-attention to the padded text, FFN, head; Wan 2.2's per-token time embedding."""
+    wan_model, lora_wan = musubi_wan
+    rank, tokens = 4, frames * (height // 2) * (width // 2)
+    torch.manual_seed(0)
+    model = wan_model(
+        model_version=version, dim=32, ffn_dim=48, num_heads=2, num_layers=2, text_len=t, text_dim=24, attn_mode="torch"
+    ).requires_grad_(False)
+    network = lora_wan.create_arch_network(1.0, rank, rank, None, None, model)
+    network.apply_to(None, model, apply_text_encoder=False, apply_unet=True)
+    if checkpointing:
+        model.enable_gradient_checkpointing()
+    latents, context = [torch.randn(16, frames, height, width)], [torch.randn(t - 2, 24)]  # the context is padded to text_len
+    got = counted(lambda: tuple(model(latents, torch.tensor([500.0]), context, tokens)))
+    counts = wan_flops(
+        dim=32, ffn=48, layers=2, text_tokens=t, text_dim=24, lora_rank=rank, checkpointing=checkpointing, time_per_token=version == "2.2"
+    )
+    assert got == counts.flops(tokens)
+
+
+def test_wan_preset_is_the_14b_config():
+    wan = arch_flops("wan")
+    assert wan.text_tokens == 512 and [s.count for s in wan.stages] == [1, 1, 39, 1]
+    assert wan.stages[2].matmuls[0].fan_in == 5120 and wan.stages[2].matmuls[-1].fan_in == 13824
+    assert 1 - wan.flops(21 * 880) / wan.flops(21 * 1560) > 1 - 880 / 1560  # attention over F·N tokens: more saved than tokens
 
 
 def test_lora_factors_cost_their_forward_and_both_gradients():

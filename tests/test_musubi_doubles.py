@@ -263,7 +263,7 @@ def test_the_grid_law_is_the_hosts_scheduler_draw():
         ("FramePackNetworkTrainer", [], ALL_ROUTED, "FramePack"),
         ("WanNetworkTrainer", ["--task", "i2v-14B"], ALL_ROUTED, "image-to-video"),
         ("WanNetworkTrainer", ["--task", "t2v-A14B", "--dit_high_noise", "h", "--batch_size", "2"], ALL_ROUTED, "one expert's side"),
-        ("QwenImageNetworkTrainer", [], {"mode": "map", "map_out": "m"}, "in-run map"),
+        ("QwenImageNetworkTrainer", [], {"mode": "map", "map_out": "m"}, r"in-run measurement \(map, auto\)"),
         ("QwenImageNetworkTrainer", [], {**ALL_ROUTED, "sigma_policy": "res_shift"}, "sigma_policy"),
         ("QwenImageNetworkTrainer", [], {**ALL_ROUTED, "arch": "wan"}, "the config says 'wan'"),
     ],
@@ -330,11 +330,11 @@ def test_plugin_off_is_the_inner_network(tmp_path):
 def test_the_flop_model_counts_every_latent_frame_and_the_banner_plans_the_run(tmp_path, caplog):
     """Wan 64×64, 5 pixel frames = 2 latent frames: the run's FLOP saving is the model's at 2 × the tokens of a
     frame (attention is over all frames at once), which the per-frame model underestimates; the banner has the plan."""
-    from downscale_plugin.arch import get_arch
+    from downscale_plugin.flops import arch_flops
 
     with caplog.at_level("INFO", logger="downscale_plugin"):
         trainer = run("WanNetworkTrainer", *ARCHS["wan"][1], "--seed", "3", tmp_path=tmp_path, downscale=ALL_ROUTED)
-    model = get_arch("wan").flops
+    model = arch_flops("wan", lora_rank=4)  # the per-block Wan model at the run's rank (no --network_dim: musubi's default 4)
     totals = trainer.last_network.downscale_run.totals
     assert totals.flop_saving() == pytest.approx(1 - model.flops(2 * 4) / model.flops(2 * 16))  # 16 tokens a frame, 4 routed
     assert totals.flop_saving() > 1 - model.flops(4) / model.flops(16)

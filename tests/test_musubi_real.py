@@ -341,7 +341,7 @@ def test_the_real_wan_loop_trains_video_at_the_small_grid_with_every_frame(musub
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from downscale_plugin.arch import get_arch
+    from downscale_plugin.flops import arch_flops
 
     host, inputs = musubi["wan"], []
 
@@ -371,5 +371,5 @@ def test_the_real_wan_loop_trains_video_at_the_small_grid_with_every_frame(musub
     assert inputs == [(1, 16, 2, 4, 4)] * 3
     with safe_open(str(tmp_path / "out" / "w.safetensors"), "pt") as f:
         counts = json.loads(f.metadata()["ss_downscale_counts"])
-    model = get_arch("wan").flops
+    model = arch_flops("wan", lora_rank=4)  # the per-block Wan model at the run's --network_dim
     assert counts["forwards"] == 3 and counts["flop_saving"] == pytest.approx(1 - model.flops(2 * 4) / model.flops(2 * 16))

@@ -17,7 +17,6 @@ import torch
 
 from ..arch import get_arch
 from ..cli import (
-    HOSTS,
     HostArgs,
     HostPart,
     add_arch_argument,
@@ -66,8 +65,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
             data.add_argument(f"--{source.flag}", metavar=source.metavar, help=source.help)
         source.add_arguments(parser)
     parser.add_argument("--latent_scale", type=float, help="factor the trainer applies to cached latents (default: the source's)")
-    for part in HOSTS.values():
-        part.add_sampler_arguments(parser)
     out = parser.add_argument_group("output")
     out.add_argument("--sigma_policy", choices=POLICIES, default="keep", help="σ policy of routed steps in the mixture curve")
     out.add_argument("--samples", type=int, default=200_000, help="Monte-Carlo σ draws (default 200000)")
@@ -102,4 +99,10 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-register("snr", "FasterDiT's log-SNR PDF (data std included) for native and routed steps; summary + PNG", add_arguments, run)
+register(
+    "snr",
+    "FasterDiT's log-SNR PDF (data std included) for native and routed steps; summary + PNG",
+    add_arguments,
+    run,
+    host_arguments=lambda parser, part: part.add_sampler_arguments(parser),  # the selected host's σ-sampler options
+)

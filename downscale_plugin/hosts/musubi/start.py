@@ -31,6 +31,7 @@ import torch
 
 from ...arch import get_arch
 from ...config import FasterDitConfig
+from ...flops import BUILDERS, arch_flops
 from ...plan import format_plan, plan_table
 from ...rng import accelerator_devices
 from ...router import RouteDecision, Router
@@ -93,10 +94,21 @@ class FramesFlops:
     def flops(self, n_image_tokens: float) -> float:
         return self.base.flops(self.frames * n_image_tokens)
 
+    def describe(self) -> str:
+        return f"{self.base.describe()}; at {self.frames:g} latent frames (F × the tokens of a frame)"
 
-def run_flops(arch: str, buckets: MusubiBuckets) -> Any:
-    """The run's FLOP model: the arch's at the run's latent frames (their step-weighted mean when buckets differ)."""
-    base = get_arch(arch).flops
+
+DEFAULT_RANK = 4  # musubi-tuner's networks/lora.py: network_dim None → 4
+
+
+def run_flops(arch: str, buckets: MusubiBuckets, args: Any = None) -> Any:
+    """The run's FLOP model at the run's latent frames (their step-weighted mean when buckets differ): the arch's
+    per-block builder at ``--network_dim`` and ``--gradient_checkpointing`` where it has one, else its coarse preset."""
+    if arch in BUILDERS:
+        rank = getattr(args, "network_dim", None) or DEFAULT_RANK
+        base = arch_flops(arch, lora_rank=int(rank), checkpointing=bool(getattr(args, "gradient_checkpointing", False)))
+    else:
+        base = get_arch(arch).flops
     total = sum(buckets.weights)
     frames = sum(f * w for f, w in zip(buckets.frames, buckets.weights, strict=True)) / total if total else 1.0
     return base if frames == 1.0 else FramesFlops(base, frames)
@@ -110,7 +122,9 @@ def refuse_unsupported(cfg: Any) -> None:
     """Features whose host handles this package does not provide: refused by key, not silently ignored."""
     problems = []
     if cfg.mode != "train":
-        problems.append(f'mode = "{cfg.mode}": the in-run map is not available on musubi-tuner; use mode = "train" with routes')
+        problems.append(
+            f'mode = "{cfg.mode}": in-run measurement (map, auto) is not available on musubi-tuner yet; use mode = "train" with routes'
+        )
     defaults = FasterDitConfig()
     for key in ("direction_loss_weight", "direction_loss_only_routed", "sigma_policy", "positions"):
         if getattr(cfg.fasterdit, key) != getattr(defaults, key):
@@ -134,7 +148,7 @@ def routing(
     router = MusubiRouter.from_config(cfg, arch, seed, total_forwards=_forwards(args), devices=accelerator_devices(accelerator.device))
     router.host = (args, resumed)
     plan = None
-    flops = run_flops(arch, buckets)
+    flops = run_flops(arch, buckets, args)
     if int(accelerator.process_index) == 0 and buckets.latent_buckets:
         sampler = PlanSampler(family, args, noise_scheduler(ctx.trainer, args), ctx.dit_dtype or torch.bfloat16)
         plan = plan_table(

@@ -3,7 +3,8 @@
     python benchmarks/bench_auto.py --seeds 0,1,2 --steps 300 --budget 0.5 --margin 0.1 --threads 1 --out docs/fidelity/auto
 
 Each seed trains the lab LoRA twice from the same init and data order on the pretrained lab DiT
-(the demo's σ sampler, logit-normal): natively, and with ``mode = "auto"`` at the seed paper's
+(the lab trainer's default σ sampler, sd-scripts' Flux recipe ``shift`` 3.1582; ``--sampling sigmoid``:
+the demo's logit-normal, which puts almost no mass above σ 0.95): natively, and with ``mode = "auto"`` at the seed paper's
 routes (ratios 0.875 and 0.75) over the default bins. Printed per seed: wall seconds of both
 (the auto run's include its certification, which runs inside its 16th step), the certification's
 cost in native-step equivalents and seconds, the routed share, the realized FLOP saving, the net
@@ -37,6 +38,8 @@ RATIOS = [0.875, 0.75]  # the seed paper's stacked routes (1024 → 896, 1024 �
 def end_to_end(args: argparse.Namespace) -> dict:
     from downscale_plugin.hosts.lab.adapter import LabPlugin
     from downscale_plugin.hosts.lab.demo import DEMO_SAMPLING
+
+    sampling = DEMO_SAMPLING if args.sampling == "sigmoid" else {}
     from downscale_plugin.lab.data import LabData, LabDataConfig
     from downscale_plugin.lab.model import LabModelConfig
     from downscale_plugin.lab.pretrain import load_or_pretrain
@@ -49,7 +52,7 @@ def end_to_end(args: argparse.Namespace) -> dict:
     for seed in args.seeds:
         val_set = data.validation_set(per_bucket=2, seed=seed)
         common = dict(
-            model=model, data=data, steps=args.steps, lr=2e-3, rank=8, seed=seed, args_overrides=DEMO_SAMPLING,
+            model=model, data=data, steps=args.steps, lr=2e-3, rank=8, seed=seed, args_overrides=sampling,
             validate=lambda deltas, v=val_set, s=seed: native_validation_loss(model, deltas, v, s),
         )  # fmt: skip
         native = train_lora(**common)
@@ -130,6 +133,9 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=0.5, help="certify_budget (fraction of the run's native compute)")
     parser.add_argument("--margin", type=float, default=0.1)
     parser.add_argument("--draws", type=int, default=4)
+    parser.add_argument(
+        "--sampling", choices=("shift", "sigmoid"), default="shift", help="the lab trainer's σ sampler (default shift 3.1582)"
+    )
     parser.add_argument("--bins", default=DEFAULT_BINS)
     parser.add_argument("--recheck", type=lambda s: [int(x) for x in s.split(",")], help="adapter warm-up steps to certify at, e.g. 30,300")
     parser.add_argument("--recheck_budget", type=float, default=300.0)

@@ -5,6 +5,7 @@ on another model is refused at start, naming the mismatch, and ``windows_foreign
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -71,3 +72,59 @@ def test_auto_certifies_on_the_runs_first_samples_and_trains_with_the_windows(tm
     log = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 0 and "E2E OK" in log, log[-3000:]
     assert "certified before train batch 16" in log and "certification: " in log and "net saving: FLOP" in log, log[-3000:]
+
+
+AUTO_RESUME = """
+[plugins.downscale]
+mode = "auto"
+map_out = "{out}"
+map_ratios = [0.5]
+map_bins = "0,0.5,1"
+map_margin = 0.99
+certify_draws = 2
+certify_budget = 0.5
+"""
+
+
+def recorded(work: Path, out: Path, *argv: str) -> tuple[dict, str]:
+    """The real Flux script through ``sd_scripts_e2e.py record`` in auto: 16 images, batch 1, accumulation 2, 24 steps."""
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)]),
+        "COLUMNS": "1000",
+        "E2E_ROUTES": AUTO_RESUME.format(out=out),
+        "E2E_IMAGES": "16",
+        "E2E_REPEATS": "1",
+        "E2E_STEPS": "24",
+    }
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "sd_scripts_e2e.py"), "flux", str(work), "record", "--gradient_accumulation_steps", "2", *argv],
+        cwd=SD_SCRIPTS_DIR,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    log = " ".join((proc.stdout + proc.stderr).split())
+    assert proc.returncode == 0 and "E2E OK" in log, log[-4000:]
+    return json.loads((work / "record.json").read_text()), log
+
+
+def test_a_resumed_auto_run_routes_by_its_certified_windows_without_certifying_again(tmp_path):
+    """The probes are in at forward 16; the state at step 10 (forward 20) was saved after the certification. Resumed
+    from it, the real loop routes by the state's certified windows from its first forward and certifies nothing again
+    (this host does not restore the RNG here, "Could not load random states", so σ, not the routes, differ)."""
+    first, log = recorded(tmp_path / "a", tmp_path / "certify_a", "--save_state", "--save_every_n_steps", "10")
+    assert "certified before train batch 16" in log and len(first["steps"]) == 48
+    windows = json.loads(first["metadata"]["ss_downscale_routes"])
+    assert windows and any(s["rule"] >= 0 for s in first["steps"][16:])
+    state = tmp_path / "a" / "out" / "lora-step00000010-state"
+    second, log = recorded(tmp_path / "b", tmp_path / "certify_b", "--resume", str(state), "--skip_until_initial_step")
+    assert "certified before train batch" not in log and "the resumed state was saved after the measurement" in log, log[-3000:]
+    assert "certification: none in this run; the resumed state's windows" in log and not (tmp_path / "certify_b").exists()
+    steps = second["steps"]
+    assert second["offset"] == [20] and len(steps) >= 6 and any(s["rule"] >= 0 for s in steps)
+    (window,) = windows
+    assert all(window["sigma_min"] < sigma < window["sigma_max"] for s in steps if s["rule"] == 0 for sigma in s["sigmas"])
+    assert json.loads(second["metadata"]["ss_downscale_routes"]) == windows
+    assert json.loads(second["metadata"]["ss_downscale_counts"])["forwards"] == 20 + len(steps)
+    assert json.loads(second["metadata"]["ss_downscale_map"])["method"] == "certify"

@@ -253,6 +253,14 @@ def _run_check(args: argparse.Namespace) -> int:
             f"bins {cfg.map.bins}, draws {cfg.map.draws}, images {cfg.map.images}, margin {cfg.map.margin:g}"
             f"{', Bonferroni' if cfg.map.simultaneous else ''}; the routes come from the map"
         )
+    elif cfg.mode == "auto":
+        c = cfg.certify
+        print(
+            f"  mode auto: map_out {cfg.map.out}, ratios {', '.join(f'{r:g}' for r in cfg.map.ratios)}, bins {cfg.map.bins}, "
+            f"margin {cfg.map.margin:g}, certify_budget {c.budget:g} of the run's native compute, draws {c.draws}, "
+            f"spot_checks {c.spot_checks}{f', resume {c.resume}' if c.resume else ''}; the routes come from the certifier"
+            + ("" if c.budget > 0 else " (budget 0: none; the run trains native)")
+        )
     else:
         print("\n".join(_routes_text(cfg)))
     if not cfg.enable:

@@ -80,6 +80,15 @@ def test_check_a_map_config(tmp_path, capsys):
     assert "mode map: map_out m, after_map stop, ratios 0.75," in out and "draws 4, images 8" in out and "r0 " not in out
 
 
+def test_check_an_auto_config(tmp_path, capsys):
+    text = 'network_args = ["ds_certify_budget=0.2"]\n[plugins.downscale]\nmode = "auto"\nmap_out = "c"\nmap_ratios = [0.75]\n'
+    code, out, err = _run(capsys, "check", "--config_file", _write(tmp_path, "t.toml", text))
+    assert code == 0, err
+    assert "mode auto: map_out c, ratios 0.75," in out and "certify_budget 0.2 of the run's native compute, draws 4" in out
+    code, _, err = _run(capsys, "check", "--config_file", _write(tmp_path, "bad.toml", text + "map_images = 4\n"))
+    assert code == 2 and 'map_images: not used with mode = "auto"' in err
+
+
 def test_check_lists_every_problem_without_a_traceback(tmp_path, capsys):
     bad = """
         network_args = ["ds_gate=strictly"]

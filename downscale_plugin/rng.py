@@ -50,17 +50,29 @@ def _device_module(device: torch.device):
     return module
 
 
+_open_forks = 0  # forks entered and not yet left, in this process
+
+
+def fork_depth() -> int:
+    """How many :func:`forked` scopes are open: what runs deeper than a scope's entry depth is a dry run
+    whose draws are thrown away (``mapping/paired.py`` hands its prepared noise to no such draw)."""
+    return _open_forks
+
+
 @contextmanager
 def forked(devices: Sequence[torch.device] = ()) -> Iterator[None]:
     """Save torch's CPU generator, each device's generator, Python's ``random`` and NumPy's global
     state; restore all of them on exit, whatever ran inside."""
+    global _open_forks
     cpu = torch.get_rng_state()
     device_states = [(d, _device_module(d).get_rng_state(d)) for d in devices]
     python_state = random.getstate()
     numpy_state = np.random.get_state()
+    _open_forks += 1
     try:
         yield
     finally:
+        _open_forks -= 1
         torch.set_rng_state(cpu)
         for device, state in device_states:
             _device_module(device).set_rng_state(state, device)

@@ -7,12 +7,13 @@ import math
 
 import numpy as np
 import pytest
+import toml
 import torch
 
 from downscale_plugin.bins import parse_bins
 from downscale_plugin.grid import area_downsample, area_weights
 from downscale_plugin.mapping.arms import Arm, latent_arm
-from downscale_plugin.mapping.certify import BUDGET, UNTESTED, CertifySettings, run_certify
+from downscale_plugin.mapping.certify import BUDGET, UNTESTED, CertifySettings, run_certify, windows_toml
 from downscale_plugin.mapping.paired import NoiseNotDrawn, coupled_small_noise, downsample_covariance_sqrt, injected_noise, whitened_filter
 from downscale_plugin.mapping.sequential import FUTILE, SAFE, UNSAFE, Looks, paired_excess, read, u_inner, verdict
 
@@ -176,14 +177,40 @@ def test_coverage_under_optional_stopping_and_false_safe_rate_are_within_alpha()
     assert np.mean([v == SAFE for v, _, _ in safe_runs]) > 0.9  # and a clearly safe bin is certified
 
 
+def test_a_skewed_probe_pool_is_never_certified_from_a_first_look_that_missed_its_tail():
+    """The lab's shape (docs/FIDELITY.md §9.3): 11 of 16 probes barely differ, 5 textures carry a large excess, so the
+    pool's mean (0.082) is over ε. A first look at 4 of them misses all 5 heavy ones C(11,4)/C(16,4) = 18 % of the
+    time, and its t bound on 4 close values reads safe; only the whole pool may end a bin safe."""
+    pool = np.array([0.01, 0.012, 0.015, 0.008, 0.02, 0.011, 0.014, 0.009, 0.013, 0.016, 0.01, 0.2, 0.25, 0.18, 0.3, 0.22])
+    rng = np.random.default_rng(0)
+
+    def false_safe(looks: Looks) -> float:
+        safe = 0
+        for _ in range(2000):
+            order = rng.permutation(pool)
+            for n in looks.at:
+                found = verdict(read(order[:n].tolist(), looks), 0.05, looks)
+                if found is not None:
+                    safe += found == SAFE
+                    break
+        return safe / 2000
+
+    early = false_safe(Looks(safe_from=4))  # what a safe read at every look did
+    assert early > 0.1
+    assert false_safe(DEFAULT_LOOKS) == 0.0 and DEFAULT_LOOKS.first_safe == 16
+
+
 def test_verdicts_at_a_look():
-    looks = Looks((4, 8), 0.05)
+    looks = Looks((4, 8), 0.05, safe_from=4)
     assert verdict(read([0.0, 0.01, 0.0, 0.01], looks), 0.05, looks) == SAFE
+    assert verdict(read([0.0, 0.01, 0.0, 0.01], Looks((4, 8), 0.05)), 0.05, Looks((4, 8), 0.05)) is None  # safe only at the last
     assert verdict(read([0.5, 0.51, 0.5, 0.49], looks), 0.05, looks) == UNSAFE
     assert verdict(read([0.3, -0.1, 0.4, 0.0], looks), 0.05, looks) == FUTILE
     assert verdict(read([0.03, 0.0, 0.05, 0.0], looks), 0.05, looks) is None  # open: might still settle
     with pytest.raises(ValueError, match="strictly increasing"):
         Looks((4, 4))
+    with pytest.raises(ValueError, match="safe_from 5 must be one of the looks"):
+        Looks((4, 8), safe_from=5)
 
 
 # -- the search ---------------------------------------------------------------------------------------------
@@ -202,7 +229,7 @@ def test_search_runs_top_down_stops_at_the_edge_and_spot_checks_below():
     settings = CertifySettings(budget=10_000, spot_checks=1)
     result = run_certify(source, [mild, deep], BINS, settings, mass=lambda lo, hi: hi - lo)
     mild_rows = {t.bin: t for t in result.rows(mild)}
-    assert [mild_rows[b].verdict for b in (4, 3)] == [SAFE, SAFE]
+    assert [mild_rows[b].verdict for b in (4, 3)] == [SAFE, SAFE] and mild_rows[4].bound.n == 16  # safe on the whole pool
     assert not mild_rows[2].safe and mild_rows[2].verdict != UNTESTED  # the edge
     assert mild_rows[1].spot and not mild_rows[1].safe and mild_rows[0].verdict == UNTESTED
     deep_rows = {t.bin: t for t in result.rows(deep)}
@@ -210,6 +237,19 @@ def test_search_runs_top_down_stops_at_the_edge_and_spot_checks_below():
     assert deep_rows[4].bound.n == 4  # settled at the first look: the clearly unsafe route costs 4 images
     assert result.spent == pytest.approx(sum(t.cost for t in result.tests) + 4 * source.calls)
     assert result.to_json()["cost"]["native_step_equivalents"] == result.spent
+
+
+def test_a_safe_spot_check_below_the_edge_is_reported_and_never_routed():
+    """A route safe at the top, unsafe in the middle, safe again at the bottom: the bottom spot check is a
+    monotonicity violation in the notes and the result, and the windows TOML routes the top only."""
+    gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=8)
+    result = run_certify(source, [ROUTE], BINS, CertifySettings(budget=10_000, spot_checks=2), mass=lambda lo, hi: hi - lo)
+    rows = {t.bin: t for t in result.rows(ROUTE)}
+    assert rows[4].safe and rows[0].spot and rows[0].safe  # the spot check's own verdict is kept as evidence
+    assert any("not monotone" in n and "not routed" in n for n in result.notes)
+    routes = toml.loads(windows_toml(result))["routes"]
+    assert len(routes) == 1 and routes[0]["sigma_min"] == pytest.approx(0.95)
 
 
 def test_the_budget_is_never_exceeded_and_open_tests_end_not_safe():

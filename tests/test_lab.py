@@ -367,8 +367,8 @@ def test_lab_auto_certifies_on_its_first_16_samples_then_routes(tiny_model, tiny
     from downscale_plugin.hosts.lab.adapter import LabPlugin
 
     table = {"mode": "auto", "arch": "flux", "map_out": str(tmp_path / "auto"), "map_ratios": [0.5], "map_bins": "0,0.5,1"}
-    table.update(map_margin=0.99, certify_draws=2, certify_budget=0.5)  # 40 passes: a look (4 × 2 × 1.25 = 10) per bin, twice
-    common = dict(steps=40, lr=1e-2, rank=2, seed=3)
+    table.update(map_margin=0.99, certify_draws=2, certify_budget=0.5)  # 50 passes: a safe top bin costs 16 × 2 × 1.25 = 40
+    common = dict(steps=100, lr=1e-2, rank=2, seed=3)
     native = train_lora(tiny_model, tiny_data, **common)
     off = LabPlugin.for_lab(load_config(table={**table, "certify_budget": 0.0}), TINY, tiny_data)
     assert train_lora(tiny_model, tiny_data, **common, hook_installer=off.installer).losses == native.losses and off.auto is None
@@ -376,7 +376,7 @@ def test_lab_auto_certifies_on_its_first_16_samples_then_routes(tiny_model, tiny
     auto = train_lora(tiny_model, tiny_data, **common, hook_installer=plugin.installer)
     assert auto.losses[:15] == native.losses[:15]  # the probes' native steps, untouched by what the certifier drew
     blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
-    assert 0 < blob["cost"]["native_step_equivalents"] <= 20 and any(row["safe"] for row in blob["bins"])
+    assert 0 < blob["cost"]["native_step_equivalents"] <= 50 and any(row["safe"] for row in blob["bins"])
     assert plugin.auto.done.result.spent == blob["cost"]["native_step_equivalents"] and plugin.cfg.routes
     routed = [t.step for t in plugin.trace if t.rule_index >= 0]
-    assert routed and min(routed) >= 16 and plugin.accounting.total_steps == 40
+    assert routed and min(routed) >= 16 and plugin.accounting.total_steps == 100

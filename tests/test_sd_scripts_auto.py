@@ -26,10 +26,10 @@ from downscale_plugin.hosts.sd_scripts.facts import HostError
 pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")
 
 # One route (ratio 0.5: latent 16x16 → 8x8) over two σ bins; D = 2 paired draws: a look at one bin
-# is 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents.
+# is 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents, a safe verdict (read on all 16) 40.
 QUICK = {"map_ratios": [0.5], "map_bins": "0,0.5,1", "certify_draws": 2}
-# 24 steps of 4 samples: 96 single-sample passes; the 16 probes are in at batch 4.
-ARGV = ("--resolution", RES, "--train_batch_size", "4", "--max_train_steps", "24", "--seed", "3")
+# 48 steps of 4 samples: 192 single-sample passes; the 16 probes are in at batch 4.
+ARGV = ("--resolution", RES, "--train_batch_size", "4", "--max_train_steps", "48", "--seed", "3")
 
 
 def auto_config(tmp_path, **extra) -> dict:
@@ -39,7 +39,7 @@ def auto_config(tmp_path, **extra) -> dict:
 def test_budget_zero_is_the_plain_run_bitwise(tmp_path):
     plain = run_double("flux", *ARGV, network_module=ARCHS["flux"][2]).last_run
     run = run_double("flux", *ARGV, downscale=auto_config(tmp_path, certify_budget=0.0)).last_run
-    assert run.losses == plain.losses and len(run.losses) == 24
+    assert run.losses == plain.losses and len(run.losses) == 48
     theirs = plain.network.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in run.network.state_dict().items())
     assert not (tmp_path / "auto").exists()
@@ -81,13 +81,15 @@ def test_auto_certifies_then_trains_with_the_windows_and_records_them(tmp_path, 
     assert windows["windows_margin"] == 0.99 and "windows_model" not in windows  # the doubles load no model file to hash
     blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
     spent = blob["cost"]["native_step_equivalents"]
-    assert 0 < spent <= 0.5 * 96 and blob["cost"]["budget"] == pytest.approx(48.0)
+    assert 0 < spent <= 0.5 * 192 and blob["cost"]["budget"] == pytest.approx(96.0)
+    # The paired noise went to the host's own draw at the small grid (8x8 of 16x16), not to the hook's dry run of it.
+    assert blob["cost"]["route_pass_cost"] == {"latent_0.5": 0.25}
     assert any(row["safe"] for row in blob["bins"])
     train = [shape for shape, _ in calls if shape[0] == 4]  # the certifier's draws run one probe at a time; batch 4 is routed
-    assert len(train) == 24 and set(train[:3]) == {(4, 4, 16, 16)} and (4, 4, 8, 8) in train[3:]
+    assert len(train) == 48 and set(train[:3]) == {(4, 4, 16, 16)} and (4, 4, 8, 8) in train[3:]
     probes = [shape for shape, _ in calls if shape[0] == 1]
     assert probes and set(probes) <= {(1, 4, 16, 16), (1, 4, 8, 8)}
-    assert state.accounting.total_steps == 24 and state.accounting.routed_samples > 0
+    assert state.accounting.total_steps == 48 and state.accounting.routed_samples > 0
     with safe_open(str(tmp_path / "out" / "last.safetensors"), "pt") as f:
         meta = f.metadata()
     recorded = json.loads(meta["ss_downscale_map"])
@@ -99,7 +101,7 @@ def test_auto_certifies_then_trains_with_the_windows_and_records_them(tmp_path, 
 
 def test_a_later_run_continues_the_evidence(tmp_path):
     """A budget that ends the first run's tests early ('budget'); the second run adds evidence to them."""
-    first = auto_config(tmp_path, map_margin=0.2, certify_budget=0.15)  # 14.4: one look (10) and no second
+    first = auto_config(tmp_path, map_margin=0.2, certify_budget=0.15)  # 28.8: the looks at 4 and 8 (20), not the 16th
     run_double("flux", *ARGV, downscale=first)
     saved = json.loads((tmp_path / "auto" / "certify.json").read_text())
     before = {(r["route"], r["bin"]): len(r["evidence"]["images"]) for r in saved["bins"] if r["verdict"] != "untested"}
@@ -117,7 +119,7 @@ def test_a_later_run_continues_the_evidence(tmp_path):
 @pytest.mark.parametrize(
     ("config", "argv", "message"),
     [
-        ({"certify_budget": 0.05}, (), r"certify_budget: 0.05 of this run's 96 single-sample passes is 4.8 .* first look .* costs 10.0"),
+        ({"certify_budget": 0.04}, (), r"certify_budget: 0.04 of this run's 192 single-sample passes is 7.7 .* first look .* costs 10.0"),
         ({}, ("--max_train_steps", "3"), "probes: 16 probes need 4 train batches of 4, but the run has 3"),
         ({"map_ratios": [0.95]}, (), "map_ratios: 0.95 give no strictly smaller flux grid"),
         ({"certify_resume": "/no/such/certify.json"}, (), "certify_resume: cannot read /no/such/certify.json"),

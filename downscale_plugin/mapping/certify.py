@@ -17,7 +17,10 @@ the certifier spends evidence only where a verdict is still open and worth havin
   as σ falls below the edge (on the lab maps it grows toward low σ, docs/FIDELITY.md §4); bins below
   the edge are untested, i.e. not safe, so a wrong assumption costs windows, never soundness.
   ``spot_checks`` bins below each edge are tested all the same once the searches are done; one that
-  comes out safe is kept (its bound is as valid as any) and reported as a monotonicity violation.
+  comes out safe is reported as a monotonicity violation and never routed (``Verdicts``): a window
+  ends at its route's edge, so the assumption costs windows, never soundness.
+- **Safe only on the whole image pool**: a bin ends safe only at ``Looks.safe_from`` images (default
+  the last look, the full map's N); earlier looks stop it only toward not-safe (``sequential.py``).
 
 Cost model: a native pass (one forward+backward at the native grid) is 1; a route pass counts its
 token fraction (h_r·w_r)/(h·w) of the grids actually run (= r² on the lab's default grids); the
@@ -30,7 +33,7 @@ import datetime as _dt
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
@@ -46,6 +49,7 @@ from .sequential import SAFE, Bound, Looks, paired_excess, read, verdict
 from .windows import probe_header, provenance_keys, route_entry, stack_windows
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
+SPOT_SAFE = "spot-safe"  # a safe spot check below its route's edge, as the window rules read it: not a window
 
 
 @dataclass(frozen=True)
@@ -86,6 +90,11 @@ class DrawSource(Protocol):
     def route(self, image: int, bin_: int, arm: Arm) -> torch.Tensor: ...
 
     def cost(self, arm: Arm | None) -> float: ...
+
+
+def looks_json(looks: Looks) -> dict[str, Any]:
+    """A look schedule as ``certify.json`` records it (and a resumed result must match)."""
+    return {"at": list(looks.at), "alpha": looks.alpha, "safe_from": looks.first_safe}
 
 
 def _key(*parts: int) -> int:
@@ -253,7 +262,7 @@ class CertifyResult:
         return {
             "method": "certify: paired noise, U-statistic cosine gap, Bonferroni-over-looks t confidence sequence, top-down search",
             "provenance": self.provenance,
-            "settings": {**asdict(s), "looks": {"at": list(s.looks.at), "alpha": s.looks.alpha}},
+            "settings": {**asdict(s), "looks": looks_json(s.looks)},
             "bins_spec": {"edges": list(self.bins.edges), "endpoint": self.bins.endpoint},
             "cost": {"native_step_equivalents": self.spent, "budget": s.budget, "model": "native pass 1, route pass its token fraction"},
             "bins": bins,
@@ -424,7 +433,7 @@ class Certifier:
             if t.spot and t.safe:
                 self.notes.append(
                     f"{t.route} {self.bins.label(t.bin)}: a spot check below the route's edge is safe: the excess is not monotone in σ "
-                    "there; the bins between it and the edge were not tested"
+                    "there; not routed (a window ends at the edge), the bins between it and the edge were not tested"
                 )
 
 
@@ -488,7 +497,9 @@ class Verdicts:
 
     @property
     def rows(self) -> list[BinTest]:
-        return [t for a in self.result.routes for t in self.result.rows(a)]
+        """Every (route, bin) row; a safe spot check below a route's edge reads as not safe (never a window)."""
+        rows = [t for a in self.result.routes for t in self.result.rows(a)]
+        return [replace(t, verdict=SPOT_SAFE) if t.spot and t.safe else t for t in rows]
 
     def routes(self, setting: tuple[str, str] = PLAIN) -> list[Arm]:
         return [a for a in self.result.routes if a.setting == setting]
@@ -509,13 +520,17 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
         *described,
         f"# paired draws D = {s.draws} per (image, bin), looks at {list(s.looks.at)} images, seed {s.seed}; bins: {result.bins.spec()}",
         f"# margin ε = {s.margin:g}; safe = anytime-valid one-sided {100 * (1 - s.looks.alpha):g}% upper bound (t at α/{len(s.looks.at)} "
-        "per look) of the mean paired U-statistic excess < ε; untested bins are not safe",
+        f"per look) of the mean paired U-statistic excess < ε, read on {s.looks.first_safe} images or more; untested bins and "
+        "spot checks below a route's edge are not routed",
         f"# cost: {result.spent:.1f} native-step equivalents (budget {s.budget:g}); date: {date}",
         f"# command: {command or '?'}",
     ]
     header += [f"# note: {n}" for n in (*stack.notes, *result.notes)]
     doc: dict = {"arch": arch} if arch else {}
-    method = f"certify (paired noise, D = {s.draws}, looks {list(s.looks.at)}, anytime-valid one-sided {100 * (1 - s.looks.alpha):g}%)"
+    method = (
+        f"certify (paired noise, D = {s.draws}, looks {list(s.looks.at)}, safe from {s.looks.first_safe} images, "
+        f"anytime-valid one-sided {100 * (1 - s.looks.alpha):g}%)"
+    )
     doc.update(provenance_keys(backend, s.margin, method, max((len(t.values) for t in result.tests), default=0) or None, date))
     if stack.windows:
         doc["routes"] = [route_entry(w, native_edge) for w in stack.windows]

@@ -52,6 +52,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--looks", default="4,8,16", help="image counts at which a bin's bound is read; the last is the image pool (default 4,8,16)"
     )
+    parser.add_argument(
+        "--safe_from",
+        type=int,
+        help="the first look that may end a bin safe (default: the last; earlier safe reads miss skewed tails, docs/FIDELITY.md §9.3)",
+    )
     parser.add_argument("--budget", type=float, default=300.0, help="native-step-equivalent passes at most (default 300)")
     parser.add_argument("--spot_checks", type=int, default=2, help="bins tested below each route's edge (default 2)")
     parser.add_argument(
@@ -77,15 +82,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         SOURCES[flag].add_arguments(parser.add_argument_group(f"--{flag}"))
 
 
-def _looks(text: str, alpha: float) -> Any:
+def _looks(text: str, alpha: float, safe_from: int | None) -> Any:
     from .sequential import Looks
 
-    return Looks(tuple(int(x) for x in text.split(",") if x.strip()), alpha)
+    return Looks(tuple(int(x) for x in text.split(",") if x.strip()), alpha, safe_from)
 
 
 def command_line(args: argparse.Namespace, flag: str, source_words: list[str]) -> str:
     parts = [f"python -m downscale_plugin certify --{flag}", *source_words, f"--ratios {args.ratios}", f"--bins {args.bins}"]
     parts += [f"--margin {args.margin:g}", f"--alpha {args.alpha:g}", f"--draws {args.draws}", f"--looks {args.looks}"]
+    parts += [f"--safe_from {args.safe_from}"] if args.safe_from is not None else []
     parts += [f"--budget {args.budget:g}", f"--spot_checks {args.spot_checks}", f"--seed {args.seed}", f"--model_seed {args.model_seed}"]
     parts += ["--unpaired"] if args.unpaired else []
     parts += [f"--resume {args.resume}", f"--windows_foreign {args.windows_foreign}"] if args.resume else []
@@ -110,7 +116,7 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as err:
         problems.append(str(err))
     try:
-        looks = _looks(args.looks, args.alpha)
+        looks = _looks(args.looks, args.alpha, args.safe_from)
     except ValueError as err:
         problems.append(str(err))
     if looks is not None:
@@ -184,8 +190,9 @@ def resume_problems(prior: dict[str, Any], settings: Any, bins: Any, routes: lis
     """Evidence continues a confidence sequence only under the same estimand and sequence: same ε,
     draws, looks, seed (image order and noise), bins and routes; anything else is a new certification."""
     saved = prior.get("settings", {})
-    looks = {"at": list(settings.looks.at), "alpha": settings.looks.alpha}
-    now = {"margin": settings.margin, "draws": settings.draws, "seed": settings.seed, "looks": looks}
+    from .certify import looks_json
+
+    now = {"margin": settings.margin, "draws": settings.draws, "seed": settings.seed, "looks": looks_json(settings.looks)}
     problems = [
         f"resume: {key} is {saved.get(key)!r} in the saved result, {value!r} now" for key, value in now.items() if saved.get(key) != value
     ]
@@ -269,7 +276,8 @@ def console_table(result: Any, source: Any) -> str:
     width = 30
     head = f"{'σ bin':<16}" + "".join(f"{a.name:>{width}}" for a in result.routes)
     lines = [
-        f"certify: paired U-statistic excess, mean ≤ anytime-valid {100 * (1 - s.looks.alpha):g}% UB (looks {list(s.looks.at)}), "
+        f"certify: paired U-statistic excess, mean ≤ anytime-valid {100 * (1 - s.looks.alpha):g}% UB (looks {list(s.looks.at)}, "
+        f"safe from {s.looks.first_safe}), "
         f"ε = {s.margin:g}, D = {s.draws}",
         head,
         "-" * len(head),

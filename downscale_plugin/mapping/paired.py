@@ -22,7 +22,9 @@ the same bin share their native arm.
 The host draws its noise itself (``torch.randn_like(latents)`` in every trainer contract the plugin
 supports, docs/ARCHITECTURE.md §2), so :func:`injected_noise` hands it the prepared tensor for the
 step's first such call and checks the host made it: a host that drew its noise
-another way fails loudly instead of silently measuring unpaired noise.
+another way fails loudly instead of silently measuring unpaired noise. A call inside a fork opened
+within the scope (``rng.forked``: the plugin's own dry runs, e.g. the step hook's ``sampler.first()``,
+which mimics the host's noise draw to advance the RNG) is not the step's noise and gets torch's own.
 """
 
 from __future__ import annotations
@@ -35,6 +37,7 @@ from typing import Any
 import torch
 
 from ..grid import area_weights
+from ..rng import fork_depth
 
 
 @lru_cache(maxsize=64)
@@ -67,14 +70,15 @@ class NoiseNotDrawn(RuntimeError):
 
 @contextmanager
 def injected_noise(make: Callable[[tuple[int, ...]], torch.Tensor]) -> Iterator[None]:
-    """Within the scope, the first ``torch.randn_like(x)`` returns ``make(x.shape)`` (in x's dtype and
-    device, or the call's own); every later call is torch's own. Raises :class:`NoiseNotDrawn` when
-    the step drew no ``randn_like`` noise."""
+    """Within the scope, the first ``torch.randn_like(x)`` outside a dry-run fork returns ``make(x.shape)``
+    (in x's dtype and device, or the call's own); every other call is torch's own. Raises
+    :class:`NoiseNotDrawn` when the step drew no such ``randn_like`` noise."""
     original = torch.randn_like
     used: list[tuple[int, ...]] = []
+    depth = fork_depth()
 
     def randn_like(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-        if used:
+        if used or fork_depth() > depth:
             return original(x, *args, **kwargs)
         used.append(tuple(x.shape))
         noise = make(tuple(x.shape))

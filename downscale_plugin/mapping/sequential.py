@@ -20,6 +20,13 @@ so a fixed-n t bound would be read at a data-dependent time. :class:`Looks` make
 sequence over a look schedule n_1 < … < n_K: the one-sided t bound at look k is taken at level α/K,
 so by the union bound P(μ > UB at any look) ≤ α whatever the stopping rule (Bonferroni α-spending;
 the t bound itself assumes per-image values i.i.d. normal, the assumption the map's bound makes).
+
+Safe only at the last look. The t bound also assumes the per-image values are roughly normal, and on
+real probes they are not: on the lab model a few textures carry 3–20 × the median excess, so a first
+look at 4 of 16 probes misses all of them about one time in five and its bound, small SD and all,
+reads safe where the full map over the 16 is not (docs/FIDELITY.md §9.3). So a bin may end ``safe``
+only from ``Looks.safe_from`` images on (default: the last look, the full map's N); the earlier looks
+stop a bin only toward not-safe (``unsafe``, ``futile``), which no tail can make optimistic.
 """
 
 from __future__ import annotations
@@ -60,12 +67,20 @@ class Looks:
 
     at: tuple[int, ...] = (4, 8, 16)
     alpha: float = 0.05
+    safe_from: int | None = None  # the first look that may end a bin safe (None: the last); see the module docstring
 
     def __post_init__(self) -> None:
         if not self.at or self.at[0] < 2 or any(b <= a for a, b in zip(self.at, self.at[1:], strict=False)):
             raise ValueError(f"looks: {list(self.at)} must be strictly increasing image counts, the first >= 2")
         if not 0.0 < self.alpha < 0.5:
             raise ValueError(f"looks: alpha {self.alpha} must be strictly between 0 and 0.5")
+        if self.safe_from is not None and self.safe_from not in self.at:
+            raise ValueError(f"looks: safe_from {self.safe_from} must be one of the looks {list(self.at)}")
+
+    @property
+    def first_safe(self) -> int:
+        """Images a bin needs before a safe verdict may be read."""
+        return self.last if self.safe_from is None else self.safe_from
 
     @property
     def level(self) -> float:
@@ -115,13 +130,14 @@ SAFE, UNSAFE, FUTILE, INCONCLUSIVE = "safe", "unsafe", "futile", "inconclusive"
 def verdict(bound: Bound, margin: float, looks: Looks) -> str | None:
     """The settled verdict at a look, or None to gather more evidence.
 
-    ``safe``: the upper bound is below ε. ``unsafe``: the lower bound is above ε (confirmed).
+    ``safe``: the upper bound is below ε, read at ``looks.first_safe`` images or later (before that a
+    bound below ε only asks for more images). ``unsafe``: the lower bound is above ε (confirmed).
     ``futile``: were the mean and SD to stay, even the last look's bound would not reach ε, so more
     images would buy nothing (only ever ends a bin unsafe: it cannot raise the false-safe rate).
     ``inconclusive``: the last look passed without a verdict (not safe).
     """
     if bound.upper < margin:
-        return SAFE
+        return SAFE if bound.n >= looks.first_safe else None
     if bound.lower > margin:
         return UNSAFE
     if bound.n >= looks.last:

@@ -263,7 +263,7 @@ def test_the_grid_law_is_the_hosts_scheduler_draw():
         ("FramePackNetworkTrainer", [], ALL_ROUTED, "FramePack"),
         ("WanNetworkTrainer", ["--task", "i2v-14B"], ALL_ROUTED, "image-to-video"),
         ("WanNetworkTrainer", ["--task", "t2v-A14B", "--dit_high_noise", "h", "--batch_size", "2"], ALL_ROUTED, "one expert's side"),
-        ("QwenImageNetworkTrainer", [], {"mode": "map", "map_out": "m"}, r"in-run measurement \(map, auto\)"),
+        ("QwenImageNetworkTrainer", [], {"mode": "map", "map_out": "m"}, r"mode = \"map\": the in-run gradient map is not available"),
         ("QwenImageNetworkTrainer", [], {**ALL_ROUTED, "sigma_policy": "res_shift"}, "sigma_policy"),
         ("QwenImageNetworkTrainer", [], {**ALL_ROUTED, "arch": "wan"}, "the config says 'wan'"),
     ],

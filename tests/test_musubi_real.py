@@ -10,7 +10,10 @@ routes never fire is bitwise the plain inner network's run; Wan 2.2's two expert
 expert their σ names; the family's dry draw and exact laws are the real sampler's; the example config
 reaches the plugin through musubi-tuner's TOML reader. And the whole ``NetworkTrainer.train`` of
 Qwen-Image on items written by musubi-tuner's own cache writers (only the DiT loader replaced):
-routing, the saved LoRA's metadata and loading, and the counts across ``--save_state``/``--resume``.
+routing, the saved LoRA's metadata and loading, and the counts across ``--save_state``/``--resume``;
+and Wan's whole ``NetworkTrainer.train`` on clips cached by its own writers: video routed at the small
+grid with every frame, and ``mode = "auto"`` certifying in the run and routing by its windows (and,
+when it opens nothing, the run bitwise the plain ``networks.lora_wan`` run's).
 """
 
 from __future__ import annotations
@@ -335,41 +338,128 @@ def _wan_cache(m: dict, root) -> str:
     return str(toml)
 
 
-def test_the_real_wan_loop_trains_video_at_the_small_grid_with_every_frame(musubi, tmp_path):
-    """Wan's whole NetworkTrainer.train on cached clips: every routed forward keeps the 2 latent frames and halves
-    H and W, and the saved FLOP saving is the model's at F × the tokens of a frame."""
-    from safetensors import safe_open
+def _train_wan(
+    m: dict, tmp_path, network_args: list[str], steps: int, *argv: str, module: str = "downscale_plugin", experts: list | None = None
+) -> list[tuple[int, ...]]:
+    """Wan's whole ``NetworkTrainer.train`` on the cached clips (only the checkpoint loader replaced: a tiny
+    ``WanModel``, and with ``--dit_high_noise`` a second one as the inactive expert); returns the DiT's input shape
+    of every forward, in order; ``experts`` gets (high-noise expert ran, timestep) of every forward."""
     from safetensors.torch import save_file
 
-    from downscale_plugin.flops import arch_flops
+    host, inputs = m["wan"], []
 
-    host, inputs = musubi["wan"], []
-
-    def tiny():
-        torch.manual_seed(0)
-        return musubi["WanModel"](dim=48, ffn_dim=64, num_heads=2, num_layers=1, text_len=8, text_dim=32, attn_mode="torch")
+    def tiny(seed: int = 0):
+        torch.manual_seed(seed)
+        model = m["WanModel"](dim=48, ffn_dim=64, num_heads=2, num_layers=1, text_len=8, text_dim=32, attn_mode="torch")
+        with torch.no_grad():  # WanModel.init_weights zeroes the head: no gradient would reach the LoRA
+            model.head.head.weight.normal_(std=0.05)
+        return model
 
     class TinyWanNetworkTrainer(host.WanNetworkTrainer):
         def load_transformer(self, accelerator, args, dit_path, attn_mode, split_attn, loading_device, dit_weight_dtype):
             self.current_model_is_high_noise = self.next_model_is_high_noise = False
-            self.dit_inactive_state_dict = None
+            self.dit_inactive_state_dict = tiny(1).state_dict() if self.high_low_training else None
             model = tiny()
             model.patch_embedding.register_forward_hook(lambda mod, i, o: inputs.append(tuple(i[0].shape)))
             return model
 
+        def _call_dit(self, args, accelerator, transformer, latents, batch, noise, noisy_model_input, timesteps, network_dtype, **kw):
+            if experts is not None:  # after call_dit's swap_high_low_weights
+                experts.append((bool(self.current_model_is_high_noise), float(timesteps[0])))
+            return super()._call_dit(
+                args, accelerator, transformer, latents, batch, noise, noisy_model_input, timesteps, network_dtype, **kw
+            )
+
+    tmp_path.mkdir(parents=True, exist_ok=True)
     dit = tmp_path / "dit.safetensors"
     save_file({k: v.contiguous() for k, v in tiny().state_dict().items()}, str(dit))  # the trainer reads the DiT's dtype from it
-    parser = host.wan_setup_parser(musubi["parser"]())
+    parser = host.wan_setup_parser(m["parser"]())
     args = parser.parse_args([
-        "--task", "t2v-14B", "--dit", str(dit), "--dataset_config", _wan_cache(musubi, tmp_path), "--network_module", "downscale_plugin",
+        *([] if "--task" in argv else ["--task", "t2v-14B"]), "--dit", str(dit), "--dataset_config", _wan_cache(m, tmp_path), "--network_module", module,
         "--network_dim", "4", "--sdpa", "--mixed_precision", "no", "--seed", "1", "--timestep_sampling", "shift",
-        "--discrete_flow_shift", "3", "--network_args", "ds_routes=x0.5@0.0-", "--max_train_steps", "3", "--output_dir",
+        "--discrete_flow_shift", "3", *(["--network_args", *network_args] if network_args else []), "--max_train_steps", str(steps), "--output_dir",
         str(tmp_path / "out"), "--output_name", "w", "--optimizer_type", "AdamW", "--learning_rate", "1e-3",
-        "--max_data_loader_n_workers", "0",
+        "--max_data_loader_n_workers", "0", *argv,
     ])  # fmt: skip
     TinyWanNetworkTrainer().train(args)
+    return inputs
+
+
+def test_the_real_wan_loop_trains_video_at_the_small_grid_with_every_frame(musubi, tmp_path):
+    """Wan's whole NetworkTrainer.train on cached clips: every routed forward keeps the 2 latent frames and halves
+    H and W, and the saved FLOP saving is the model's at F × the tokens of a frame."""
+    from safetensors import safe_open
+
+    from downscale_plugin.flops import arch_flops
+
+    inputs = _train_wan(musubi, tmp_path, ["ds_routes=x0.5@0.0-"], 3)
     assert inputs == [(1, 16, 2, 4, 4)] * 3
     with safe_open(str(tmp_path / "out" / "w.safetensors"), "pt") as f:
         counts = json.loads(f.metadata()["ss_downscale_counts"])
     model = arch_flops("wan", lora_rank=4)  # the per-block Wan model at the run's --network_dim
     assert counts["forwards"] == 3 and counts["flop_saving"] == pytest.approx(1 - model.flops(2 * 4) / model.flops(2 * 16))
+
+
+def test_the_real_wan_loop_certifies_in_the_run_and_trains_with_the_windows(musubi, tmp_path):
+    """``mode = "auto"`` in Wan's whole NetworkTrainer.train: 168 steps, D = 4, so the budget (0.5 × 168 = 84) covers one
+    bin read on all 16 probes (16 × 4 × 1.25 = 80). The probes are in at batch 16 (two clips, batch 1); before its
+    step the certifier runs every draw through the real ``process_batch`` (one probe, F = 2 latent frames kept at
+    both grids), writes windows.toml / certify.json, and the run's later steps route by them."""
+    from safetensors import safe_open
+
+    out = tmp_path / "auto"
+    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
+            "ds_certify_draws=4", "ds_map_margin=0.99"]  # fmt: skip
+    inputs = _train_wan(musubi, tmp_path, keys, 168, "--gradient_checkpointing")  # autograd.grad through its checkpoints
+    windows = (out / "windows.toml").read_text()
+    blob = json.loads((out / "certify.json").read_text())
+    assert 'windows_arch = "wan"' in windows and 'windows_native = "8x8"' in windows and "[[routes]]" in windows
+    assert 0 < blob["cost"]["native_step_equivalents"] <= 0.5 * 168 and any(row["safe"] for row in blob["bins"])
+    assert blob["provenance"]["backend"]["trainer"] == "TinyWanNetworkTrainer"
+    forced = inputs[15 : len(inputs) - 153]  # 15 native train forwards, the certifier's draws, then batches 16-168
+    assert forced and set(forced) == {(1, 16, 2, 8, 8), (1, 16, 2, 4, 4)}
+    assert set(inputs[:15]) == {(1, 16, 2, 8, 8)} and (1, 16, 2, 4, 4) in inputs[len(inputs) - 153 :]
+    with safe_open(str(tmp_path / "out" / "w.safetensors"), "pt") as f:
+        meta = f.metadata()
+    recorded, counts = json.loads(meta["ss_downscale_map"]), json.loads(meta["ss_downscale_counts"])
+    assert recorded["method"] == "certify" and recorded["before_train_batch"] == 16 and recorded["probes"] == 16
+    assert counts["forwards"] == 168 and counts["routes"].get("native", 1.0) < 1.0
+
+
+def test_a_real_wan_certification_that_opens_nothing_leaves_the_run_bitwise_the_hosts(musubi, tmp_path):
+    """ε ≈ 0 in the real Wan loop: the certifier's draws (real process_batch, real sampler, real loss) leave the
+    run's RNG, gradients, optimizer and the trainer's timestep-bucket pool (which --preserve_distribution_shape
+    pops in every σ draw) as they were: the saved LoRA is bitwise the plain networks.lora_wan run's."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "plugin" / "auto"
+    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
+            "ds_certify_draws=2", "ds_map_margin=1e-9"]  # fmt: skip
+    argv = ("--num_timestep_buckets", "3", "--preserve_distribution_shape", "--min_timestep", "100")
+    plain = _train_wan(musubi, tmp_path / "plain", [], 24, *argv, module="networks.lora_wan")
+    plugin = _train_wan(musubi, tmp_path / "plugin", keys, 24, *argv)
+    blob = json.loads((out / "certify.json").read_text())
+    assert blob["cost"]["native_step_equivalents"] > 0 and not any(row["safe"] for row in blob["bins"])
+    assert len(plugin) > len(plain) == 24 and plugin[:15] + plugin[len(plugin) - 9 :] == plain
+    theirs, ours = (load_file(str(tmp_path / run / "out" / "w.safetensors")) for run in ("plain", "plugin"))
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+
+def test_real_wan22_certifier_draws_run_the_expert_their_sigma_names_and_leave_the_run_bitwise(musubi, tmp_path):
+    """Wan 2.2 with both experts (the real swap_high_low_weights, the real two-expert sampler): every forward, the
+    certifier's included, runs on the expert its timestep names against timestep_boundary, the forced draws use
+    both, and with ε ≈ 0 the saved LoRA is bitwise the plain run's (the expert flag and swapped weights as the host has them)."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "plugin" / "auto"
+    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
+            "ds_certify_draws=2", "ds_map_margin=1e-9"]  # fmt: skip
+    argv = ("--task", "t2v-A14B", "--dit_high_noise", str(tmp_path / "high.safetensors"))
+    theirs, ours = [], []
+    plain = _train_wan(musubi, tmp_path / "plain", [], 24, *argv, module="networks.lora_wan", experts=theirs)
+    plugin = _train_wan(musubi, tmp_path / "plugin", keys, 24, *argv, experts=ours)
+    forced = len(plugin) - len(plain)
+    assert forced > 0 and ours[:15] + ours[15 + forced :] == theirs
+    assert all(high == (t / 1000.0 >= 0.875) for high, t in ours) and {high for high, _ in ours[15 : 15 + forced]} == {False, True}
+    a, b = (load_file(str(tmp_path / run / "out" / "w.safetensors")) for run in ("plain", "plugin"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)

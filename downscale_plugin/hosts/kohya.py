@@ -18,7 +18,8 @@ import argparse
 import importlib
 import os
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -307,3 +308,19 @@ def import_inner(
     if missing:
         raise error(f"inner: {name!r} has no {' or '.join(missing)}: not a network module; choices: {choices}")
     return name, module
+
+
+class ForcedSteps:
+    """A step hook's forcing scope, for the in-run measurements (``mode = "map"``, ``"auto"``): inside
+    :meth:`forcing` the hook runs the host's step at ``target_hw`` (None: native) and σ, uncounted;
+    each host's hook says how (``sd_scripts/map.MapHook``, ``musubi/auto.ForcingHook``)."""
+
+    forced: tuple[tuple[int, int] | None, float] | None = None
+
+    @contextmanager
+    def forcing(self, target_hw: tuple[int, int] | None, sigma: float) -> Iterator[None]:
+        self.forced = (target_hw, float(sigma))
+        try:
+            yield
+        finally:
+            self.forced = None

@@ -12,8 +12,8 @@ order and loop arithmetic: ``_build_network`` (merging ``--base_weights`` throug
 and ``network.prepare_network(args)`` only when the *module* has ``prepare_network``, then
 ``apply_to``; ``max_train_steps`` from ``--max_train_epochs`` after it; per batch
 ``scale_shift_latents`` → ``noise = torch.randn_like(latents)`` → ``process_batch`` → backward →
-optimizer step; ``global_step`` +1 on each sync; ``generate_step_logs`` only with trackers; break at
-``max_train_steps``; ``accelerator.end_training()``; with ``--save_state`` the last state; the last
+optimizer step (gradient accumulation as accelerate does it: ``TinyAccelerator``); ``global_step`` +1
+on each sync; ``generate_step_logs`` only with trackers; break at ``max_train_steps``; ``accelerator.end_training()``; with ``--save_state`` the last state; the last
 ``save_weights``. ``--resume`` loads a state after ``accelerator.prepare`` and, as the host, restarts
 ``global_step`` at 0. The dataset serves
 cached latents per bucket with the ``BucketBatchManager``'s stratified timestep pool
@@ -88,15 +88,55 @@ class _Handle:
         self.hooks.remove(self.hook)
 
 
-class TinyAccelerator:
-    """The accelerate surface the loop and the plugin use, on one CPU process."""
+class _AcceleratedOptimizer:
+    """accelerate's ``AcceleratedOptimizer``: ``step`` and ``zero_grad`` act on the accumulation's last micro-batch only."""
 
-    def __init__(self, trackers: bool = False):
+    def __init__(self, optimizer, accelerator):
+        self.optimizer, self.accelerator = optimizer, accelerator
+
+    @property
+    def param_groups(self):
+        return self.optimizer.param_groups
+
+    def step(self):
+        if self.accelerator.sync_gradients:
+            self.optimizer.step()
+
+    def zero_grad(self, set_to_none=True):
+        if self.accelerator.sync_gradients:
+            self.optimizer.zero_grad(set_to_none=set_to_none)
+
+
+class _PreparedLoader:
+    """accelerate's prepared dataloader: it tells the gradient state when its last batch is out."""
+
+    def __init__(self, loader, accelerator):
+        self.loader, self.accelerator = loader, accelerator
+
+    def __len__(self):
+        return len(self.loader)
+
+    def __iter__(self):
+        n = len(self.loader)
+        for i, batch in enumerate(self.loader):
+            self.accelerator.end_of_dataloader = i == n - 1
+            yield batch
+
+
+class TinyAccelerator:
+    """The accelerate surface the loop and the plugin use, on one CPU process; gradient accumulation as
+    accelerate does it (``accumulate`` syncs every ``gradient_accumulation_steps``-th micro-batch and at the
+    dataloader's end, ``backward`` divides the loss, the prepared optimizer steps and zeroes on syncs only)."""
+
+    def __init__(self, trackers: bool = False, gradient_accumulation_steps: int = 1):
         self.device = torch.device("cpu")
         self.process_index = 0
         self.num_processes = 1
         self.is_main_process = True
         self.sync_gradients = True
+        self.gradient_accumulation_steps = gradient_accumulation_steps
+        self.end_of_dataloader = False
+        self._micro = 0
         self.trackers = ["tracker"] if trackers else []
         self.logged: list[dict] = []
         self.save_hooks: list = []
@@ -104,6 +144,11 @@ class TinyAccelerator:
         self.ended = 0
 
     def prepare(self, *objects):
+        objects = tuple(
+            _AcceleratedOptimizer(o, self) if isinstance(o, torch.optim.Optimizer) else _PreparedLoader(o, self)
+            if isinstance(o, TinyDatasetGroup) else o
+            for o in objects
+        )  # fmt: skip
         return objects[0] if len(objects) == 1 else objects
 
     def unwrap_model(self, model):
@@ -111,13 +156,18 @@ class TinyAccelerator:
 
     @contextmanager
     def accumulate(self, model):
+        if self.end_of_dataloader:
+            self._micro, self.sync_gradients = 0, True
+        else:
+            self._micro += 1
+            self.sync_gradients = self._micro % self.gradient_accumulation_steps == 0
         yield
 
     def autocast(self):
         return nullcontext()
 
     def backward(self, loss):
-        loss.backward()
+        (loss / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss).backward()
 
     def reduce(self, tensor, reduction="sum"):
         return tensor
@@ -390,7 +440,7 @@ class NetworkTrainer:
         torch.manual_seed(args.seed)  # accelerate's set_seed: random, NumPy, torch (CPU here)
         self.num_timestep_buckets = args.num_timestep_buckets
         train_dataset_group = TinyDatasetGroup([TinyDataset(args, self, self.num_timestep_buckets)])
-        accelerator = TinyAccelerator(trackers=args.log_with is not None)
+        accelerator = TinyAccelerator(trackers=args.log_with is not None, gradient_accumulation_steps=args.gradient_accumulation_steps)
         weight_dtype = torch.float32
         dit_dtype = torch.float32 if args.dit_dtype is None else getattr(torch, args.dit_dtype)
         transformer = self.load_transformer(accelerator, args, args.dit, "torch", False, "cpu", dit_dtype)

@@ -118,6 +118,14 @@ def base_sampler(trainer: Any) -> Callable:
 
 
 @dataclass
+class MusubiBound(BoundSampler):
+    """A bound musubi-tuner sampler that can also make a σ the host did not draw replayable:
+    ``remember(sigmas)`` returns their pool positions (for a forced step, as ``families.remember`` does on sd-scripts)."""
+
+    remember: Callable[[torch.Tensor], torch.Tensor] | None = None
+
+
+@dataclass
 class _Kind:
     """What the first host draw of a bound sampler showed: the dtype of the host's timesteps (and of the flow branch's σ)."""
 
@@ -126,7 +134,7 @@ class _Kind:
 
 class MusubiFamily:
     """The σ family of one musubi-tuner trainer: ``bind`` as in the SamplerFamily protocol of
-    hosts/sd_scripts/families.py (no ``remember``: the σ policies that need it are refused on this host)."""
+    hosts/sd_scripts/families.py; the bound sampler's ``remember`` makes a forced σ replayable (``mode = "auto"``)."""
 
     name = "musubi"
 
@@ -206,8 +214,19 @@ class MusubiFamily:
 
             return swap_attr(self.trainer, SAMPLER_METHOD, replayed)
 
+        def remember(sigmas: torch.Tensor) -> torch.Tensor:
+            # as the host pairs a σ: the flow branch's t = 1000·σ + 1 in its timestep dtype; the scheduler branch's
+            # nearest grid atom (its (timestep, σ) pair, so every later lookup of the timestep finds it on the grid)
+            if flow:
+                return pool.add(*self._pair(kind)(sigmas.double()))
+            grid = noise_scheduler.sigmas.detach().cpu().double()[: noise_scheduler.timesteps.numel()]
+            index = (grid.view(1, -1) - sigmas.double().view(-1, 1)).abs().argmin(1)
+            atoms = noise_scheduler.sigmas.detach().cpu().to(dtype)[index]
+            return pool.add(noise_scheduler.timesteps.detach().cpu()[index], atoms)
+
         law = self._law(args, noise_scheduler, native_hw, dtype, flow, bucketed)
-        return BoundSampler(first, draw, replay, pool, None if law is None else PooledLaw(law, pool, self._pair(kind)))
+        pooled = None if law is None else PooledLaw(law, pool, self._pair(kind))
+        return MusubiBound(first, draw, replay, pool, pooled, remember)
 
     @staticmethod
     def _pair(kind: _Kind) -> Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]]:

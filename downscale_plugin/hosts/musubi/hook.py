@@ -118,8 +118,14 @@ class ProcessBatchHook:
             self.on_step(self.step, decision, native_hw, run_hw, decision.sigmas)
         if not decision.needs_replay:
             return original(*call)
-        if decision.routed:
-            small = area_downsample(latents, run_hw)
-            call = call._replace(batch=small_batch(call.batch, run_hw), latents=small, noise=torch.randn_like(small))
-        with sampler.replay(decision.source_index):
+        return self.run_host(original, call, sampler, run_hw if decision.routed else None, decision.source_index)
+
+    @staticmethod
+    def run_host(original: Callable, call: StepCall, sampler: Any, target_hw: tuple[int, int] | None, positions: torch.Tensor) -> Any:
+        """The host's step with σ replayed from the sampler's pool; at ``target_hw`` (None: native) on the
+        area-downsampled latents with the step's own unit noise at that grid."""
+        if target_hw is not None:
+            small = area_downsample(call.latents, target_hw)
+            call = call._replace(batch=small_batch(call.batch, target_hw), latents=small, noise=torch.randn_like(small))
+        with sampler.replay(positions):
             return original(*call)

@@ -10,7 +10,9 @@ router and the accounting, and installs, each recorded in the run's patches (``D
 - ``ss_downscale_*`` metadata on every ``save_weights`` of the inner network (weights untouched);
 - the start banner (main process) and the end summary at ``accelerator.end_training``, which every rank
   calls after the loop and before the main process's last save;
-- the plugin's counts saved with ``--save_state`` and restored with ``--resume`` (accelerate state hooks).
+- the plugin's counts saved with ``--save_state`` and restored with ``--resume`` (accelerate state hooks);
+- with ``mode = "auto"`` (and ``certify_budget`` > 0), the in-run certification (``auto.py``): its
+  forcing step hook in place of the plain one, and the probe collection around it.
 
 The router's forward index is the plugin's own count: musubi-tuner restarts ``global_step`` at 0 on
 ``--resume`` and has no initial step to skip to, so forward n of a resumed run is absolute forward
@@ -121,9 +123,10 @@ def _forwards(args: Any) -> int:
 def refuse_unsupported(cfg: Any) -> None:
     """Features whose host handles this package does not provide: refused by key, not silently ignored."""
     problems = []
-    if cfg.mode != "train":
+    if cfg.mode == "map":
         problems.append(
-            f'mode = "{cfg.mode}": in-run measurement (map, auto) is not available on musubi-tuner yet; use mode = "train" with routes'
+            'mode = "map": the in-run gradient map is not available on musubi-tuner yet; use mode = "auto" (in-run certification) '
+            'or mode = "train" with routes'
         )
     defaults = FasterDitConfig()
     for key in ("direction_loss_weight", "direction_loss_only_routed", "sigma_policy", "positions"):
@@ -149,7 +152,7 @@ def routing(
     router.host = (args, resumed)
     plan = None
     flops = run_flops(arch, buckets, args)
-    if int(accelerator.process_index) == 0 and buckets.latent_buckets:
+    if int(accelerator.process_index) == 0 and buckets.latent_buckets and (cfg.mode == "train" or cfg.routes):  # auto: once certified
         sampler = PlanSampler(family, args, noise_scheduler(ctx.trainer, args), ctx.dit_dtype or torch.bfloat16)
         plan = plan_table(
             cfg, arch, sampler, buckets.latent_buckets, buckets.batch_size, buckets.weights,
@@ -190,20 +193,28 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     buckets = musubi_buckets(ctx.dataset_group, get_arch(record.arch).vae_factor, record.frame_stride)
     resumed = ResumedForwards(world)
     run = DownscaleRun(cfg, record.arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, record.arch, seed, buckets, resumed))
-    hook = ProcessBatchHook(run.router, family, rank=rank, world_size=world, on_step=run.on_step)
+    session = None
+    if cfg.mode == "auto" and cfg.certify.budget > 0:
+        from .auto import MusubiAutoSession  # the certifier loads for an auto run only
+
+        session = MusubiAutoSession(run, ctx, family, buckets, record)
+        run.summary_extra.append(session.summary_lines)
+    hook = (session.make_hook if session else ProcessBatchHook)(run.router, family, rank=rank, world_size=world, on_step=run.on_step)
     run.hook = hook
     hook.install(ctx.trainer, run.patches)
+    if session:
+        session.install()  # around the hook's wrap: the probes, then the certification, before the step that completes them
     _wrap_logs(ctx.trainer, run)
     run.install_state_hooks()  # counts saved with --save_state, restored (main process) on --resume
     run.patches.on_undo(accelerator.register_load_state_pre_hook(resumed.load).remove)
     run.install_save_and_end(network, args)
     if rank == 0:
-        show(_banner(run, record, ctx, args, buckets), "start banner")
+        show(_banner(run, record, ctx, args, buckets, session), "start banner")
     network.downscale_run = run
     return run
 
 
-def _banner(run: DownscaleRun, record: MusubiArch, ctx: TrainerContext, args: Any, buckets: MusubiBuckets) -> str:
+def _banner(run: DownscaleRun, record: MusubiArch, ctx: TrainerContext, args: Any, buckets: MusubiBuckets, session: Any = None) -> str:
     cfg = run.cfg
     frames = (
         f"; latent frames {', '.join(f'{f:g}' for f in buckets.frames)} per bucket (never resized; the FLOP model runs F × frame tokens)"
@@ -215,6 +226,8 @@ def _banner(run: DownscaleRun, record: MusubiArch, ctx: TrainerContext, args: An
         f"seed {run.seed}, {run.world_size} process(es); σ from {_sampler_text(args)}; positions: {record.positions}{frames}"
     )
     rules = "\n".join(f"  {row}".rstrip() for row in route_rows(cfg.routes))
+    if cfg.mode == "auto":
+        rules = session.banner() if session else '  mode = "auto", certify_budget = 0: no probes; the run trains native, as the plain run'
     return f"{head}\n{format_plan(run.plan) if run.plan else rules}"
 
 

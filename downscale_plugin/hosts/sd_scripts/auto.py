@@ -42,9 +42,8 @@ from ...grid import target_grid
 from ...mapping.arms import latent_arm
 from ...plan import format_plan
 from ...text import pct, route_rows
-from ..kohya import model_identity
 from .buckets import DatasetBuckets
-from .facts import HostError, TrainerArch
+from .facts import TrainerArch
 from .families import SamplerFamily
 from .map import ProbeSession
 from .run import DownscaleRun
@@ -127,7 +126,7 @@ class AutoSession(ProbeSession):
             return [f"certify_resume: cannot read {path}: {err}"]
         problems = [f"certify_{p}" for p in resume_problems(self.prior, self.settings, self.bins, self.routes)]
         saved = self.prior.get("provenance", {}).get("backend", {})
-        here = {"model_identity": model_identity(self.ctx.args), "arch": self.run.arch}
+        here = {"model_identity": self.model_identity(), "arch": self.run.arch}
         for key, value in here.items():
             if value is not None and saved.get(key) != value:
                 text = f"certify_resume: {key}: the saved evidence is for {saved.get(key)!r}, this run is {value!r}"
@@ -149,14 +148,18 @@ class AutoSession(ProbeSession):
 
     # -- certification --------------------------------------------------------------------------
 
-    def sigma_mass(self, latent_hw: tuple[int, int]) -> tuple[Any, str]:
-        """P(lo < σ ≤ hi) (a point bin: P(σ = hi)) under the host's own sampler at the probes' grid, from
-        :data:`MASS_SAMPLES` draws made as ``plan`` makes them (forked RNG: the run's draws are untouched)."""
+    def host_sampler(self) -> Any:
+        """The host's σ sampler as ``plan`` draws it (``sample(n, latent_hw, generator)``)."""
         from .start import HostSampler
 
         ctx = self.ctx
         scheduler = ctx.trainer.get_noise_scheduler(ctx.args, torch.device("cpu"))
-        sampler = HostSampler(self.family, ctx.args, scheduler, ctx.weight_dtype or torch.float32)
+        return HostSampler(self.family, ctx.args, scheduler, ctx.weight_dtype or torch.float32)
+
+    def sigma_mass(self, latent_hw: tuple[int, int]) -> tuple[Any, str]:
+        """P(lo < σ ≤ hi) (a point bin: P(σ = hi)) under the host's own sampler at the probes' grid, from
+        :data:`MASS_SAMPLES` draws made as ``plan`` makes them (forked RNG: the run's draws are untouched)."""
+        sampler = self.host_sampler()
         sigmas = sampler.sample(MASS_SAMPLES, latent_hw, torch.Generator().manual_seed(self.run.seed)).double()
 
         def mass(lo: float, hi: float) -> float:
@@ -185,7 +188,7 @@ class AutoSession(ProbeSession):
                 self.run.cfg.windows.foreign,
             )
         except ForeignEvidence as err:
-            raise HostError(f'mode = "auto": {err}') from None
+            raise self.error(f'mode = "auto": {err}') from None
         for text in done.foreign:
             logger.warning('downscale_plugin: certify_resume: %s; windows_foreign = "warn": continuing it anyway', text)
         self.result, self.certify_s = done.result, done.seconds

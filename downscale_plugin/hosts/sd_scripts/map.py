@@ -35,8 +35,7 @@ import math
 import os
 import sys
 import time
-from collections.abc import Iterator
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from typing import Any
 
 import toml
@@ -51,7 +50,7 @@ from ...plan import format_plan
 from ...rng import accelerator_devices, forked
 from ...scope import Patches
 from ...text import route_rows
-from ..kohya import model_identity
+from ..kohya import ForcedSteps, model_identity
 from .buckets import DatasetBuckets
 from .facts import VAE_ARCHS, HostError, TrainerArch
 from .families import SamplerFamily
@@ -65,19 +64,9 @@ logger = logging.getLogger(__name__)
 MAP_PACKAGES = ("scipy", "matplotlib", "tqdm")  # the estimator's bound, the heatmap, the progress bar (imported on use)
 
 
-class MapHook(DownscaleHook):
+class MapHook(ForcedSteps, DownscaleHook):
     """The step hook of a map run: inside :meth:`forcing` a train step runs the host at the given
     grid (None: native) and σ, and is not counted; outside it, the plain hook."""
-
-    forced: tuple[tuple[int, int] | None, float] | None = None
-
-    @contextmanager
-    def forcing(self, target_hw: tuple[int, int] | None, sigma: float) -> Iterator[None]:
-        self.forced = (target_hw, float(sigma))
-        try:
-            yield
-        finally:
-            self.forced = None
 
     def train_step(self, original: Any, call: HostCall) -> Any:
         if self.forced is None:
@@ -98,13 +87,17 @@ class ProbeSession:
     are in (:meth:`complete`) and what the run cannot do (:meth:`problems`)."""
 
     mode = ""
+    model_key = "unet"  # the process_batch argument holding the denoiser
+    error: type[Exception] = HostError  # what a refusal raises (the host's own HostError)
 
     def __init__(
         self, run: DownscaleRun, ctx: TrainerContext, family: SamplerFamily, buckets: DatasetBuckets, record: TrainerArch, images: int
     ):
         missing = [name for name in self.packages() if importlib.util.find_spec(name) is None]
         if missing:
-            raise HostError(f'mode = "{self.mode}": {", ".join(missing)} not installed; it needs them: pip install "downscale-plugin[map]"')
+            raise self.error(
+                f'mode = "{self.mode}": {", ".join(missing)} not installed; it needs them: pip install "downscale-plugin[map]"'
+            )
         self.run, self.ctx, self.family, self.buckets, self.record = run, ctx, family, buckets, record
         self.images = images
         self.out_dir = os.path.abspath(run.cfg.map.out)
@@ -122,7 +115,7 @@ class ProbeSession:
 
     def refuse(self, problems: list[str]) -> None:
         if problems:
-            raise HostError(f'mode = "{self.mode}":\n  - ' + "\n  - ".join(problems))
+            raise self.error(f'mode = "{self.mode}":\n  - ' + "\n  - ".join(problems))
 
     def run_problems(self, ratios: tuple[float, ...], key: str, images_key: str) -> list[str]:
         """What this run's processes, buckets and length rule out for ``images`` probes at ``ratios``."""
@@ -182,7 +175,7 @@ class ProbeSession:
         def process_batch(*args: Any, **kwargs: Any) -> Any:
             call = signature.bind(trainer, *args, **kwargs)
             call.apply_defaults()
-            if call.arguments["is_train"]:
+            if self.is_train(call.arguments):
                 self.offer(call.arguments)
             return current(*args, **kwargs)
 
@@ -190,10 +183,18 @@ class ProbeSession:
         self.run.patches.on_undo(self.patches.undo)  # a run that ends before its measurement
         self.run.adopt_saved = self.adopt
 
+    def is_train(self, arguments: dict[str, Any]) -> bool:
+        """Whether a ``process_batch`` call (its arguments by name) is a train step."""
+        return bool(arguments["is_train"])
+
+    def split(self, arguments: dict[str, Any]) -> list[dict[str, Any]]:
+        """A train step's batch as single-sample probes."""
+        return split_batch(arguments["batch"])
+
     def offer(self, arguments: dict[str, Any]) -> None:
         """A train batch: take its samples as probes; with enough, run the measurement and what follows it."""
         self.batches += 1
-        self.probes += split_batch(arguments["batch"])
+        self.probes += self.split(arguments)
         if len(self.probes) < self.images:
             return
         self.patches.undo()
@@ -241,21 +242,29 @@ class ProbeSession:
     def command(self) -> str:
         return f"python {' '.join(sys.argv)} (downscale_plugin mode = {self.mode}, before train batch {self.batches})"
 
+    def model_path(self) -> str | None:
+        """The base model's file or name as the run's args give it."""
+        return getattr(self.ctx.args, "pretrained_model_name_or_path", None)
+
+    def model_identity(self) -> str | None:
+        """The base model's hash for provenance (``kohya.model_identity``), None when there is no file to hash."""
+        return model_identity(self.ctx.args)
+
     def describe(self, arguments: dict[str, Any]) -> dict[str, Any]:
         """Provenance of the model, adapter and data (every output file carries it)."""
         args, accelerator = arguments["args"], arguments["accelerator"]
-        unet = accelerator.unwrap_model(arguments["unet"])
+        unet = accelerator.unwrap_model(arguments[self.model_key])
         n = self.images
         captions = [str(p["captions"][0])[:60] for p in self.probes[:n] if p.get("captions")]
         return {
             "model": f"{type(unet).__name__} ({sum(p.numel() for p in unet.parameters()) / 1e6:.1f} M parameters), "
-            f"{getattr(args, 'pretrained_model_name_or_path', None) or '?'}",
+            f"{self.model_path() or '?'}",
             "adapter": f"{self.run.inner} (network_dim {getattr(args, 'network_dim', '?')}, network_alpha {getattr(args, 'network_alpha', '?')}), "
             f"as trained by the {self.batches - 1} native step(s) before the {self.mode}",
             "data": f"the run's first {n} training samples (train batches 1-{self.batches})"
             + (f"; captions: {' | '.join(captions)}" if captions else ""),
             "trainer": type(self.ctx.trainer).__name__,
-            "model_identity": model_identity(args),
+            "model_identity": self.model_identity(),
             "plugin_version": version(),
         }
 

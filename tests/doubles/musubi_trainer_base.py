@@ -12,9 +12,12 @@ order and loop arithmetic: ``_build_network`` (merging ``--base_weights`` throug
 and ``network.prepare_network(args)`` only when the *module* has ``prepare_network``, then
 ``apply_to``; ``max_train_steps`` from ``--max_train_epochs`` after it; per batch
 ``scale_shift_latents`` → ``noise = torch.randn_like(latents)`` → ``process_batch`` → backward →
-optimizer step (gradient accumulation as accelerate does it: ``TinyAccelerator``); ``global_step`` +1
-on each sync; ``generate_step_logs`` only with trackers; break at ``max_train_steps``; ``accelerator.end_training()``; with ``--save_state`` the last state; the last
-``save_weights``. ``--resume`` loads a state after ``accelerator.prepare`` and, as the host, restarts
+optimizer step (gradient accumulation as accelerate does it: ``TinyAccelerator``; on a sync under several
+processes the gradients averaged with ``accelerator.reduce``); ``global_step`` +1 on each sync, with
+``--save_every_n_steps`` the step's weights (and ``--save_state`` state) on the main process after
+``wait_for_everyone``; ``generate_step_logs`` only with trackers (main process); break at ``max_train_steps``;
+``wait_for_everyone`` at each epoch's end; ``accelerator.end_training()`` on every rank; then, on the main
+process only, with ``--save_state`` the last state and the last ``save_weights``. ``--resume`` loads a state after ``accelerator.prepare`` and, as the host, restarts
 ``global_step`` at 0. The dataset serves
 cached latents per bucket with the ``BucketBatchManager``'s stratified timestep pool
 (dataset/bucket.py). Architectures live in ``musubi_trainers.py``.
@@ -33,7 +36,12 @@ from types import SimpleNamespace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from safetensors.torch import load_file
+
+LAST_STATE_NAME = "{}-state"  # utils/train_utils.py
+STEP_STATE_NAME = "{}-step{:08d}-state"
+STEP_FILE_NAME = "{}-step{:08d}"
 
 
 def get_lin_function(x1: float = 256, y1: float = 0.5, x2: float = 4096, y2: float = 1.15):
@@ -124,20 +132,25 @@ class _PreparedLoader:
 
 
 class TinyAccelerator:
-    """The accelerate surface the loop and the plugin use, on one CPU process; gradient accumulation as
-    accelerate does it (``accumulate`` syncs every ``gradient_accumulation_steps``-th micro-batch and at the
-    dataloader's end, ``backward`` divides the loss, the prepared optimizer steps and zeroes on syncs only)."""
+    """The accelerate surface the loop and the plugin use, on CPU; gradient accumulation as accelerate does it
+    (``accumulate`` syncs every ``gradient_accumulation_steps``-th micro-batch and at the dataloader's end,
+    ``backward`` divides the loss, the prepared optimizer steps and zeroes on syncs only). Under an initialized
+    ``torch.distributed`` group (gloo), as accelerate: ``process_index``/``num_processes`` from it, ``reduce``
+    all-reduces (sum, or mean), ``wait_for_everyone`` is a barrier, ``prepare`` broadcasts a model's weights from rank 0
+    (DDP's wrap), trackers exist on the main process only.
+    The dataloader is not sharded: each rank serves its own dataset (``--data_seed``)."""
 
     def __init__(self, trackers: bool = False, gradient_accumulation_steps: int = 1):
         self.device = torch.device("cpu")
-        self.process_index = 0
-        self.num_processes = 1
-        self.is_main_process = True
+        self._distributed = dist.is_available() and dist.is_initialized()  # ranks from torch.distributed, as accelerate
+        self.process_index = dist.get_rank() if self._distributed else 0
+        self.num_processes = dist.get_world_size() if self._distributed else 1
+        self.is_main_process = self.is_local_main_process = self.process_index == 0
         self.sync_gradients = True
         self.gradient_accumulation_steps = gradient_accumulation_steps
         self.end_of_dataloader = False
         self._micro = 0
-        self.trackers = ["tracker"] if trackers else []
+        self.trackers = ["tracker"] if trackers and self.is_main_process else []  # init_trackers runs on main only
         self.logged: list[dict] = []
         self.save_hooks: list = []
         self.load_hooks: list = []
@@ -149,6 +162,11 @@ class TinyAccelerator:
             if isinstance(o, TinyDatasetGroup) else o
             for o in objects
         )  # fmt: skip
+        for o in objects:
+            if isinstance(o, torch.nn.Module) and self._distributed and self.num_processes > 1:
+                with torch.no_grad():  # DDP's wrap: every rank starts from rank 0's weights
+                    for tensor in o.state_dict().values():
+                        dist.broadcast(tensor, 0)
         return objects[0] if len(objects) == 1 else objects
 
     def unwrap_model(self, model):
@@ -170,7 +188,11 @@ class TinyAccelerator:
         (loss / self.gradient_accumulation_steps if self.gradient_accumulation_steps > 1 else loss).backward()
 
     def reduce(self, tensor, reduction="sum"):
-        return tensor
+        if not self._distributed or self.num_processes == 1:
+            return tensor
+        out = tensor.clone()
+        dist.all_reduce(out, op=dist.ReduceOp.SUM)
+        return out / self.num_processes if reduction == "mean" else out
 
     def log(self, logs, step=None):
         self.logged.append(dict(logs))
@@ -179,7 +201,8 @@ class TinyAccelerator:
         pass
 
     def wait_for_everyone(self):
-        pass
+        if self._distributed and self.num_processes > 1:
+            dist.barrier()
 
     def end_training(self):
         self.ended += 1
@@ -250,7 +273,7 @@ class TinyDataset:
     """Cached items per bucket: latents of the trainer's layout and a variable-length text embedding."""
 
     def __init__(self, args, trainer: NetworkTrainer, num_timestep_buckets):
-        gen = torch.Generator().manual_seed(1234)
+        gen = torch.Generator().manual_seed(int(args.data_seed))
         self.batch_size = int(args.batch_size)
         self.has_control = False
         buckets = {}
@@ -516,10 +539,20 @@ class NetworkTrainer:
                         global_step,
                     )
                     accelerator.backward(loss)
+                    if accelerator.sync_gradients and accelerator.num_processes > 1:  # the host's manual DDP sync
+                        for param in network.parameters():
+                            if param.grad is not None:
+                                param.grad = accelerator.reduce(param.grad, reduction="mean")
                     optimizer.step()
                     optimizer.zero_grad(set_to_none=True)
                 if accelerator.sync_gradients:
                     global_step += 1
+                    if args.save_every_n_steps is not None and global_step % args.save_every_n_steps == 0:
+                        accelerator.wait_for_everyone()
+                        if accelerator.is_main_process:
+                            self._save_model(args, network, STEP_FILE_NAME.format(args.output_name, global_step) + ".safetensors")
+                            if args.save_state:  # train_utils.save_and_remove_state_stepwise
+                                accelerator.save_state(os.path.join(args.output_dir, STEP_STATE_NAME.format(args.output_name, global_step)))
                 current_loss = loss.detach().item()
                 self.losses.append(current_loss)
                 if len(accelerator.trackers) > 0:
@@ -528,11 +561,17 @@ class NetworkTrainer:
                     accelerator.log(logs, step=global_step)
                 if global_step >= args.max_train_steps:
                     break
+            accelerator.wait_for_everyone()
         accelerator.end_training()
-        if args.save_state:  # save_state_on_train_end, before the last weights
-            accelerator.save_state(os.path.join(args.output_dir, "last-state"))
+        if accelerator.is_main_process and args.save_state:  # save_state_on_train_end, before the last weights
+            accelerator.save_state(os.path.join(args.output_dir, LAST_STATE_NAME.format(args.output_name)))
+        if accelerator.is_main_process:
+            self._save_model(args, network, args.output_name + ".safetensors")
+
+    def _save_model(self, args, network, ckpt_name):
+        """The loop's ``save_model`` closure (main process): into ``--output_dir``, with the run's metadata."""
         os.makedirs(args.output_dir, exist_ok=True)
-        network.save_weights(os.path.join(args.output_dir, "last.safetensors"), torch.float32, {"ss_seed": str(args.seed)})
+        network.save_weights(os.path.join(args.output_dir, ckpt_name), torch.float32, {"ss_seed": str(args.seed)})
 
     # endregion
 
@@ -565,6 +604,8 @@ def setup_parser() -> argparse.ArgumentParser:
     p.add_argument("--preserve_distribution_shape", action="store_true")
     p.add_argument("--num_timestep_buckets", type=int, default=None)
     p.add_argument("--output_dir", default="out")
+    p.add_argument("--output_name", default="last")
+    p.add_argument("--save_every_n_steps", type=int, default=None)
     p.add_argument("--no_metadata", action="store_true")
     p.add_argument("--save_state", action="store_true")
     p.add_argument("--resume", default=None)
@@ -572,6 +613,7 @@ def setup_parser() -> argparse.ArgumentParser:
     p.add_argument("--log_with", default=None)
     p.add_argument("--batch_size", type=int, default=1)
     p.add_argument("--items_per_bucket", type=int, default=2)
+    p.add_argument("--data_seed", type=int, default=1234)
     p.add_argument("--buckets", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="+", default=[(64, 64)])
     p.add_argument("--task", default="t2v-14B")
     p.add_argument("--dit_high_noise", default=None)

@@ -1,12 +1,16 @@
 """The certifier's lab study (docs/FIDELITY.md §9): cost and agreement with the full map, and the
 variance reduction of paired noise, on the map's own model, adapter and probes.
 
-    python benchmarks/bench_certify.py --seeds 0,1,2 --threads 2 --out docs/fidelity/certify
+    python benchmarks/bench_certify.py --seeds 0,1,2 --threads 1 --variance_seeds 16 --unpaired --out docs/fidelity/certify
+    python benchmarks/bench_certify.py --seeds 3,4,5,6,7,8,9 --threads 1 --out docs/fidelity/certify/more_seeds
+    python benchmarks/bench_certify.py --map_check --out docs/fidelity/certify   # and --out .../more_seeds
 
 One lab backend (model seed 0, 16 probes at 64×64: the backend of docs/fidelity/lab_n64_d8_n16) serves
 every certifier seed, so the full map's verdicts (``--maps``: 0.875 and 0.75 from the exact-filter map,
 0.5 from the pooled map, which is the same filter at an integer ratio) are the reference for each:
-false-safe = certified safe where the full map is not; missed = the other way round.
+false-safe = certified safe where the full map is not; missed = the other way round. The variance
+study (``--variance_seeds K``) redraws the noise K times per (image, bin) cell and compares the SD of
+the per-image estimate with the route's noise paired vs drawn independently (same native draws, same σ).
 """
 
 from __future__ import annotations
@@ -59,6 +63,78 @@ def agreement(result, reference: dict[tuple[str, int], bool]) -> dict:
     return {"false_safe": false_safe, "missed": missed, "missed_sigma1_no_mass": untested_endpoint}
 
 
+def test_rows(result) -> list[dict]:
+    """Every test the certifier ran: verdict, bound at its last reading, images used and cost."""
+    rows = []
+    for t in result.tests:
+        b = t.bound
+        rows.append({"route": t.route, "bin": result.bins.label(t.bin), "spot_check": t.spot, "verdict": t.verdict, "n": len(t.values),
+                     "mean": None if b is None else round(b.mean, 5), "upper": None if b is None else round(b.upper, 5),
+                     "cost": round(t.cost, 3)})  # fmt: skip
+    return rows
+
+
+def map_per_image(spec: str) -> dict[tuple[str, int], list[float]]:
+    """The full map's per-image debiased excess (``estimator.excess``), by (route, bin), images in order."""
+    from downscale_plugin.mapping.estimator import Cell, excess
+
+    out: dict[tuple[str, int], list[float]] = {}
+    for part in spec.split(";"):
+        path, arms = part.split(":")
+        with open(path) as fh:
+            cells = sorted(json.load(fh)["cells"], key=lambda c: (c["bin"], c["image"]))
+        for c in cells:
+            cell = Cell(c["image"], c["bin"], c["half_cos"], c["cos"], c["norm"])
+            for arm in arms.split(","):
+                out.setdefault((arm, c["bin"]), []).append(excess(cell, arm))
+    return out
+
+
+def map_check(out: str, spec: str, margin: float) -> dict:
+    """Why the certifier and the full map disagree, from the map's own per-image values: for each
+    certified test, the map's mean on the certifier's images and on all probes; and, per (route, bin)
+    the map does not certify, the share of the 4-image subsets whose first-look bound (t at α/3) is < ε
+    (the first look's false-safe rate, were the per-image values the map's)."""
+    import itertools
+
+    from downscale_plugin.mapping.sequential import Looks, read
+
+    per_image, looks = map_per_image(spec), Looks()
+    reference = full_map_verdicts(spec, margin)
+    with open(os.path.join(out, "study.json")) as fh:
+        study = json.load(fh)
+    tests = []
+    for run in study["runs"]:
+        with open(os.path.join(out, f"seed{run['seed']}{'' if run['paired'] else '_unpaired'}", "certify.json")) as fh:
+            blob = json.load(fh)
+        for row in blob["bins"]:
+            if row["verdict"] in (None, "untested"):
+                continue
+            values = per_image[row["route"], row["bin"]]
+            images = row["evidence"]["images"]
+            tests.append({"seed": run["seed"], "paired": run["paired"], "route": row["route"], "bin": row["label"], "verdict": row["verdict"],
+                          "spot_check": row["spot_check"], "full_map_safe": reference[row["route"], row["bin"]], "n": len(images),
+                          "certify_mean": float(np.mean(row["evidence"]["excess"])) if images else None,
+                          "map_mean_same_images": float(np.mean([values[i] for i in images])) if images else None,
+                          "map_mean_all": float(np.mean(values)),
+                          "corr": float(np.corrcoef(row["evidence"]["excess"], [values[i] for i in images])[0, 1]) if len(images) > 2 else None})  # fmt: skip
+    first_look = []
+    for (route, b), values in sorted(per_image.items()):
+        if reference[route, b]:
+            continue
+        subsets = list(itertools.combinations(values, looks.at[0]))
+        safe = sum(read(list(x), looks).upper < margin for x in subsets)
+        first_look.append(
+            {
+                "route": route,
+                "bin": b,
+                "map_mean_all": round(float(np.mean(values)), 4),
+                "first_look_safe_share": round(safe / len(subsets), 4),
+            }
+        )
+    return {"tests": tests, "first_look": first_look, "note": map_check.__doc__}
+
+
 def variance_study(backend, bins, cells: list[tuple[int, int]], seeds: int, draws: int) -> dict:
     """Per (image, bin): SD over noise seeds of each route's per-image estimate, paired vs independent noise."""
     routes = [latent_arm(r) for r in (0.875, 0.75, 0.5)]
@@ -90,10 +166,18 @@ def main() -> int:
     parser.add_argument("--margin", type=float, default=0.05)
     parser.add_argument("--maps", default=MAPS)
     parser.add_argument("--variance_seeds", type=int, default=0, help="noise seeds per cell of the variance study (0: skip it)")
+    parser.add_argument("--variance_images", default="0,5", help="probe images of the variance study's cells")
+    parser.add_argument("--variance_bins", default="13,11,9", help="bin indices of the variance study's cells (13: (0.975, 1])")
     parser.add_argument("--unpaired", action="store_true", help="also certify with independent noise, per seed")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--out", default="docs/fidelity/certify")
+    parser.add_argument("--map_check", action="store_true", help="only compare a finished study (--out) with the maps' per-image values")
     args = parser.parse_args()
+    if args.map_check:
+        with open(os.path.join(args.out, "map_check.json"), "w") as fh:
+            json.dump(map_check(args.out, args.maps, args.margin), fh, indent=1)
+        print(f"wrote {os.path.join(args.out, 'map_check.json')}")
+        return 0
     torch.set_num_threads(args.threads)
     t0 = time.perf_counter()
     backend = LabBackend(LabMapConfig(native_hw=(64, 64), seed=0), images=16, progress=False)
@@ -102,7 +186,9 @@ def main() -> int:
     mass, mass_text = lab_sigma_mass(backend)
     reference = full_map_verdicts(args.maps, args.margin)
     routes = [latent_arm(r) for r in (0.875, 0.75, 0.5)]
-    summary = {"setup_s": round(setup_s, 1), "sigma_sampler": mass_text, "runs": []}
+    summary = {"setup_s": round(setup_s, 1), "sigma_sampler": mass_text, "torch_threads": torch.get_num_threads(),
+               "command": "python " + " ".join(sys.argv), "reference_maps": args.maps,
+               "reference_safe": sorted(f"{a} {bins.label(b)}" for (a, b), ok in reference.items() if ok), "runs": []}  # fmt: skip
     os.makedirs(args.out, exist_ok=True)
     for seed in [int(s) for s in args.seeds.split(",") if s.strip()]:
         for paired in (True, False) if args.unpaired else (True,):
@@ -116,16 +202,23 @@ def main() -> int:
             out = os.path.join(args.out, f"seed{seed}{'' if paired else '_unpaired'}")
             write_outputs(result, source, out, command)
             run = {"seed": seed, "paired": paired, "wall_s": result.provenance["wall_s"], "cost": cost_summary(result, source),
-                   "safe": [f"{t.route} {bins.label(t.bin)}" for t in result.tests if t.safe], **agreement(result, reference)}  # fmt: skip
+                   "safe": [f"{t.route} {bins.label(t.bin)}" for t in result.tests if t.safe], **agreement(result, reference),
+                   "spot_check_violations": [f"{t.route} {bins.label(t.bin)}" for t in result.tests if t.spot and t.safe],
+                   "notes": list(result.notes), "tests": test_rows(result)}  # fmt: skip
             summary["runs"].append(run)
             print(json.dumps(run), flush=True)
+            save(summary, args.out)  # after every run: an interrupted study keeps what finished
     if args.variance_seeds:
-        cells = [(i, b) for i in (0, 5) for b in (13, 11)]
+        cells = [(int(i), int(b)) for i in args.variance_images.split(",") for b in args.variance_bins.split(",")]
         summary["variance"] = variance_study(backend, bins, cells, args.variance_seeds, args.draws)
-    with open(os.path.join(args.out, "study.json"), "w") as fh:
-        json.dump(summary, fh, indent=1)
+    save(summary, args.out)
     print(f"wrote {os.path.join(args.out, 'study.json')}")
     return 0
+
+
+def save(summary: dict, out: str) -> None:
+    with open(os.path.join(out, "study.json"), "w") as fh:
+        json.dump(summary, fh, indent=1)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,6 @@ budget and ``native_step_equivalents`` are in these units. Cached native draws a
 
 from __future__ import annotations
 
-import datetime as _dt
 import math
 import time
 from collections.abc import Callable, Sequence
@@ -37,7 +36,6 @@ from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Protocol
 
 import numpy as np
-import toml
 import torch
 
 from ..bins import SigmaBins
@@ -46,7 +44,7 @@ from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, flat_grad
 from .paired import coupled_small_noise, injected_noise
 from .sequential import SAFE, Bound, Looks, paired_excess, read, verdict
-from .windows import probe_header, provenance_keys, route_entry, stack_windows
+from .windows import probe_header, render_windows, stack_windows, utc_now
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
 SPOT_SAFE = "spot-safe"  # a safe spot check below its route's edge, as the window rules read it: not a window
@@ -512,9 +510,9 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
     """The plugin TOML of the certified windows (``downscale_config=``), with the method in its header."""
     backend = result.provenance.get("backend", {})
     stack = stack_windows(Verdicts(result))  # type: ignore[arg-type]  # duck-typed: the rows a map's window rules read
-    arch, native_edge, described = probe_header(backend)
+    _, _, described = probe_header(backend)
     s = result.settings
-    date = date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    date = date or utc_now()
     header = [
         "# downscale-plugin windows, written by the certifier (certify).",
         *described,
@@ -526,18 +524,12 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
         f"# command: {command or '?'}",
     ]
     header += [f"# note: {n}" for n in (*stack.notes, *result.notes)]
-    doc: dict = {"arch": arch} if arch else {}
     method = (
         f"certify (paired noise, D = {s.draws}, looks {list(s.looks.at)}, safe from {s.looks.first_safe} images, "
         f"anytime-valid one-sided {100 * (1 - s.looks.alpha):g}%)"
     )
-    doc.update(provenance_keys(backend, s.margin, method, max((len(t.values) for t in result.tests), default=0) or None, date))
-    if stack.windows:
-        doc["routes"] = [route_entry(w, native_edge) for w in stack.windows]
-    else:
-        header.append("# no route has a certified window at this margin: the plugin is disabled")
-        doc["enable"] = False
-    return "\n".join(header) + "\n\n" + toml.dumps(doc)
+    images = max((len(t.values) for t in result.tests), default=0) or None
+    return render_windows(backend, stack, header, method, s.margin, images, date)
 
 
 def full_map_cost(images: int, draws: int, bins: int, fractions: Sequence[float]) -> float:

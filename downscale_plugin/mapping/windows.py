@@ -156,13 +156,36 @@ def probe_header(backend: dict) -> tuple[str | None, float, list[str]]:
     return arch, native_edge, lines
 
 
+def utc_now() -> str:
+    """The date a windows file records (UTC, to the second)."""
+    return _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+
+
+def render_windows(
+    backend: dict, stack: Stack, header: list[str], method: str, margin: float, images: int | None, date: str, extra: dict | None = None
+) -> str:
+    """A windows file: the header's comment lines, then the plugin TOML (arch, the ``windows_*`` provenance,
+    ``extra`` keys, the stacked windows as routes, or ``enable = false`` without one). The map and the
+    certifier write theirs through this, so the router reads both alike."""
+    arch, native_edge, _ = probe_header(backend)
+    doc: dict = {"arch": arch} if arch else {}
+    doc.update(provenance_keys(backend, margin, method, images, date))
+    doc.update(extra or {})
+    if stack.windows:
+        doc["routes"] = [route_entry(w, native_edge) for w in stack.windows]
+    else:
+        header = [*header, "# no route has a safe window at this margin: the plugin is disabled"]
+        doc["enable"] = False
+    return "\n".join(header) + "\n\n" + toml.dumps(doc)
+
+
 def windows_toml(result: MapResult, command: str = "", date: str | None = None, setting: tuple[str, str] = PLAIN) -> str:
     """A plugin TOML (``downscale_config=``) for one setting, with a provenance header; ``enable = false`` if no window."""
     backend = result.provenance.get("backend", {})
     stack = stack_windows(result, setting)
-    arch, native_edge, described = probe_header(backend)
+    _, _, described = probe_header(backend)
     s = result.settings
-    date = date or _dt.datetime.now(_dt.timezone.utc).strftime("%Y-%m-%dT%H:%M:%SZ")
+    date = date or utc_now()
     header = [
         "# downscale-plugin windows, written by the map tool (certifier).",
         *described,
@@ -181,14 +204,6 @@ def windows_toml(result: MapResult, command: str = "", date: str | None = None, 
             "# other arms, not routes here (another setting has its own windows@<setting>.toml; the plugin cannot run pixel arms):"
         )
         header += [f"#   {name}: {', '.join(w.text() for w in ws) or 'no window'}" for name, ws in others.items()]
-    doc: dict = {"arch": arch} if arch else {}
     method = f"map (N = {s.images}, D = {s.draws}, one-sided {100 * (1 - s.alpha):g}% t bound{', Bonferroni over bins' if s.simultaneous else ''})"
-    doc.update(provenance_keys(backend, s.margin, method, s.images, date))
-    if setting != PLAIN:
-        doc["sigma_policy"], doc["positions"] = setting
-    if stack.windows:
-        doc["routes"] = [route_entry(w, native_edge) for w in stack.windows]
-    else:
-        header.append("# no route has a safe window at this margin: the plugin is disabled")
-        doc["enable"] = False
-    return "\n".join(header) + "\n\n" + toml.dumps(doc)
+    extra = dict(zip(("sigma_policy", "positions"), setting, strict=True)) if setting != PLAIN else None
+    return render_windows(backend, stack, header, method, s.margin, s.images, date, extra)

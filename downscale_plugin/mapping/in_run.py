@@ -13,11 +13,33 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from ..bins import SigmaBins
+from ..bins import SigmaBins, parse_bins
+from ..config import DownscaleConfig
 from ..rng import forked
-from .arms import Arm, MapBackend
-from .certify import BackendDraws, CertifyResult, CertifySettings, load_tests, run_certify
+from .arms import Arm, MapBackend, latent_arm
+from .certify import BackendDraws, CertifyResult, CertifySettings, load_tests, run_certify, settings_problems
 from .certify_cli import console_table, foreign_problems, write_outputs
+from .sequential import Looks
+
+
+@dataclass(frozen=True)
+class InRunSetup:
+    """What an auto run certifies: its routes and bins, the certifier's settings (the budget in
+    native-step equivalents), and what is wrong with them, each problem named by its config key."""
+
+    routes: list[Arm]
+    bins: SigmaBins
+    settings: CertifySettings
+    problems: list[str]
+
+
+def in_run_setup(cfg: DownscaleConfig, passes: int, seed: int) -> InRunSetup:
+    """The config's certification for a run of ``passes`` single-sample native passes: the map's
+    ratios, bins and ε, the ``certify_*`` keys, the default look schedule (its last look is the probe
+    count), and the budget ``certify_budget`` × ``passes``."""
+    settings = CertifySettings(cfg.map.margin, cfg.certify.draws, Looks(), cfg.certify.budget * passes, seed, cfg.certify.spot_checks)
+    problems = [f"{'map' if p.startswith('margin') else 'certify'}_{p}" for p in settings_problems(settings)]
+    return InRunSetup([latent_arm(r) for r in cfg.map.ratios], parse_bins(cfg.map.bins), settings, problems)
 
 
 class ForeignEvidence(ValueError):

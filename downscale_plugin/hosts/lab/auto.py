@@ -19,11 +19,7 @@ from typing import TYPE_CHECKING, Any
 import toml
 
 from ... import __version__
-from ...bins import parse_bins
 from ...config import load_config
-from ...mapping.arms import latent_arm
-from ...mapping.certify import CertifySettings, settings_problems
-from ...mapping.sequential import Looks
 from ...scope import Patches
 from ..sd_scripts.map import MapHook
 from ..sd_scripts.map_backend import SdScriptsBackend, split_batch
@@ -37,21 +33,15 @@ class LabAutoSession:
     """One lab ``auto`` run: probe collection, the certification, the switch to its windows."""
 
     def __init__(self, plugin: LabPlugin, args: argparse.Namespace, seed: int):
+        from ...mapping.in_run import in_run_setup
+
         cfg = plugin.cfg
-        problems = []
+        setup = in_run_setup(cfg, args.max_train_steps * args.gradient_accumulation_steps * plugin.batch_size, seed)
+        self.plugin, self.args, self.images = plugin, args, setup.settings.looks.last
+        self.routes, self.bins, self.settings = setup.routes, setup.bins, setup.settings
+        problems = list(setup.problems)
         if cfg.arch is None:
             problems.append('arch: mode = "auto" on the lab needs an arch (e.g. "flux"): the windows name tiers at its VAE factor')
-        if not cfg.map.out:
-            problems.append('map_out: required when mode = "auto"')
-        looks = Looks()
-        self.plugin, self.args, self.images = plugin, args, looks.last
-        self.routes = [latent_arm(r) for r in cfg.map.ratios]
-        self.bins = parse_bins(cfg.map.bins)
-        self.passes = args.max_train_steps * args.gradient_accumulation_steps * plugin.batch_size
-        self.settings = CertifySettings(
-            cfg.map.margin, cfg.certify.draws, looks, cfg.certify.budget * self.passes, seed, cfg.certify.spot_checks
-        )
-        problems += [f"certify_{p}" for p in settings_problems(self.settings)]
         if problems:
             raise ValueError('mode = "auto":\n  - ' + "\n  - ".join(problems))
         self.probes: list[dict[str, Any]] = []

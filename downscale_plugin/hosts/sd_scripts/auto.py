@@ -36,10 +36,8 @@ import toml
 import torch
 
 from ...arch import get_arch
-from ...bins import parse_bins
 from ...config import load_config
 from ...grid import target_grid
-from ...mapping.arms import latent_arm
 from ...plan import format_plan
 from ...text import pct, route_rows
 from .buckets import DatasetBuckets
@@ -61,17 +59,13 @@ class AutoSession(ProbeSession):
     mode = "auto"
 
     def __init__(self, run: DownscaleRun, ctx: TrainerContext, family: SamplerFamily, buckets: DatasetBuckets, record: TrainerArch):
-        from ...mapping.certify import CertifySettings
+        from ...mapping.in_run import in_run_setup
         from ...mapping.sequential import Looks
 
-        cfg = run.cfg
-        looks = Looks()
-        super().__init__(run, ctx, family, buckets, record, looks.last)
-        self.routes = [latent_arm(r) for r in cfg.map.ratios]
-        self.bins = parse_bins(cfg.map.bins)
+        super().__init__(run, ctx, family, buckets, record, Looks().last)
         self.run_passes = self.forwards() * max(buckets.batch_size, 1)
-        budget = cfg.certify.budget * self.run_passes
-        self.settings = CertifySettings(cfg.map.margin, cfg.certify.draws, looks, budget, run.seed, cfg.certify.spot_checks)
+        self.setup = in_run_setup(run.cfg, self.run_passes, run.seed)
+        self.routes, self.bins, self.settings = self.setup.routes, self.setup.bins, self.setup.settings
         self.prior: dict[str, Any] | None = None
         self.result: Any = None
         self.paths: dict[str, str] = {}
@@ -84,11 +78,8 @@ class AutoSession(ProbeSession):
 
     def problems(self) -> list[str]:
         """What makes certification in this run impossible, found before any compute."""
-        from ...mapping.certify import settings_problems
-
         cfg = self.run.cfg
-        problems = self.run_problems(cfg.map.ratios, "map_ratios", "probes")
-        problems += [f"certify_{p}" if not p.startswith("margin") else f"map_{p}" for p in settings_problems(self.settings)]
+        problems = self.run_problems(cfg.map.ratios, "map_ratios", "probes") + self.setup.problems
         first_look = self.first_look_cost()
         if first_look is not None and self.settings.budget < first_look:
             problems.append(

@@ -5,7 +5,7 @@ model, so the network module's own validation comes minutes into a run. The inst
 ``downscale_plugin_startup.pth`` (site-packages) imports this module at every interpreter start. It
 does nothing, and imports nothing beyond ``os`` and ``sys``, unless the command line names
 ``downscale_plugin`` (``--network_module downscale_plugin``, or a ``--config_file`` TOML that
-mentions it). Then ``downscale_plugin.hosts.kohya.startup_report`` reads the run's command line as
+mentions it). Then ``downscale_plugin.hosts.kohya.conventions.startup_report`` reads the run's command line as
 the trainer will and validates what the network module will read (``--network_args``, the training
 TOML's ``[plugins.downscale]``, a ``downscale_config=`` plugin TOML); on a problem it prints every
 problem and the process exits 2, before the training script runs. ``DOWNSCALE_PLUGIN_NO_STARTUP_CHECK=1``
@@ -52,7 +52,7 @@ def report(argv):
         return None
     before = set(sys.modules)
     try:
-        from downscale_plugin.hosts.kohya import startup_report
+        from downscale_plugin.hosts.kohya.conventions import startup_report
 
         return startup_report(argv)
     finally:

@@ -91,9 +91,10 @@ GETTERS = (
 SEEDING_MODULES = (
     "downscale_plugin.router",
     "downscale_plugin.mapping.estimator",
+    "downscale_plugin.mapping.certify",
     "downscale_plugin.hosts.sd_scripts.start",
-    "downscale_plugin.hosts.sd_scripts.map",
     "downscale_plugin.hosts.sd_scripts.map_backend",
+    "downscale_plugin.hosts.musubi.family",
     "downscale_plugin.hosts.lab.map_backend",
 )
 

@@ -367,7 +367,7 @@ def check_auto(work: Path, meta: dict) -> None:
 
 def recorder() -> tuple[list, list]:
     """Every train step's decision (rule index, lead, drawn σ) in order, and the run objects seen."""
-    from downscale_plugin.hosts.sd_scripts.run import DownscaleRun
+    from downscale_plugin.hosts.kohya.run import DownscaleRun
 
     steps: list = []
     runs: list = []

@@ -14,7 +14,7 @@ from downscale_plugin.config import (
     Span,
     load_config,
 )
-from downscale_plugin.hosts.kohya import config_from_training_toml, flatten_training_toml, network_args_dict, split_network_args
+from downscale_plugin.hosts.kohya.conventions import config_from_training_toml, flatten_training_toml, network_args_dict, split_network_args
 
 ROUTE = {"route": "1024:768", "sigma_min": 0.65, "sigma_max": 0.95}
 

@@ -89,6 +89,31 @@ def test_every_layer_imports_only_downward():
     assert not problems, "\n".join(problems)
 
 
+# What each host package may import of the others (docs/ARCHITECTURE.md §1): the shared kohya package
+# none; the two kohya hosts the shared package only; the lab adapter also sd-scripts' hook and σ family,
+# because the lab trainer is a stand-in with sd-scripts' Flux trainer contract.
+HOST_PACKAGES = {"kohya": set(), "sd_scripts": {"kohya"}, "musubi": {"kohya"}, "lab": {"kohya", "sd_scripts"}}
+
+
+def host_package(module: str) -> str | None:
+    parts = module.split(".")
+    return parts[2] if len(parts) > 2 and parts[1] == "hosts" else None
+
+
+def test_host_packages_import_only_the_shared_one():
+    problems = []
+    for path in plugin_files():
+        own = host_package(module_name(path))
+        if own is None:
+            continue
+        for line, target in imported_modules(path):
+            theirs = host_package(target)
+            if theirs is not None and theirs != own and theirs not in HOST_PACKAGES[own]:
+                problems.append(f"{path.relative_to(PACKAGE.parent)}:{line}: hosts.{own} imports {target}")
+    assert not problems, "\n".join(problems)
+    assert set(HOST_PACKAGES) == {p.name for p in (PACKAGE / "hosts").iterdir() if (p / "__init__.py").is_file()}
+
+
 def code_strings(path: Path) -> list[tuple[int, str]]:
     """String constants of a file that are not docstrings (docstrings may tell which host does what)."""
     tree = ast.parse(path.read_text(encoding="utf-8"))

@@ -11,7 +11,7 @@ import pytest
 from host_modules import run_double
 
 import downscale_plugin
-from downscale_plugin.hosts.sd_scripts import run as sd_scripts_run
+from downscale_plugin.hosts.kohya import run as kohya_run
 from downscale_plugin.plan import format_plan
 
 rich_logging = pytest.importorskip("rich.logging")
@@ -68,10 +68,10 @@ def test_version_is_the_running_packages(monkeypatch, installed):
         return installed
 
     monkeypatch.setattr(metadata, "version", version)
-    sd_scripts_run.version.cache_clear()
+    kohya_run.version.cache_clear()
     try:
-        assert sd_scripts_run.version() == downscale_plugin.__version__
+        assert kohya_run.version() == downscale_plugin.__version__
         run = run_double("flux", *RES, "--max_train_steps", "1", downscale=ALL_ROUTED).last_run.network.downscale_run
         assert run.metadata()["ss_downscale_version"] == downscale_plugin.__version__
     finally:
-        sd_scripts_run.version.cache_clear()
+        kohya_run.version.cache_clear()

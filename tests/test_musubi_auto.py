@@ -129,7 +129,7 @@ def test_auto_certifies_then_trains_with_the_windows_and_records_them(arch, tmp_
 
 def test_the_probes_are_the_steps_own_samples():
     """A probe is one sample of the call: its scale-shifted latents, per-sample tensors, varlen lists and timesteps."""
-    from downscale_plugin.hosts.musubi.auto import split_step
+    from downscale_plugin.hosts.musubi.probes import split_step
 
     batch = {"latents": torch.randn(3, 4, 2, 8, 8), "t5": [torch.randn(5 + i, 8) for i in range(3)], "timesteps": [0.1, 0.2, 0.3]}
     scaled = batch["latents"] * 0.5
@@ -163,14 +163,11 @@ def test_a_resumed_auto_run_routes_by_the_certified_windows_without_certifying_a
         ({}, ("--max_train_steps", "3"), "probes: 16 probes need 4 train batches of 4, but the run has 3"),
         ({"map_ratios": [0.95]}, (), "map_ratios: 0.95 give no strictly smaller wan grid"),
         ({"certify_resume": "/no/such/certify.json"}, (), "certify_resume: cannot read /no/such/certify.json"),
-        ({"mode": "map", "map_images": 8}, (), r'mode = "map": the in-run gradient map is not available on musubi-tuner'),
     ],
 )
 def test_a_certification_the_run_cannot_do_fails_at_prepare_network(tmp_path, config, argv, message):
     trainer = trainers().WanNetworkTrainer()
     config = auto_config(tmp_path, **config)
-    if config["mode"] == "map":
-        config = {k: v for k, v in config.items() if not k.startswith("certify")}
     with pytest.raises(HostError, match=message):
         run("WanNetworkTrainer", *WAN, *ARGV, *argv, tmp_path=tmp_path / "out", trainer=trainer, downscale=config)
     assert not trainer.losses and not trainer.last_transformer.calls and not (tmp_path / "auto").exists()

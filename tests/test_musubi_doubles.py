@@ -263,7 +263,7 @@ def test_the_grid_law_is_the_hosts_scheduler_draw():
         ("FramePackNetworkTrainer", [], ALL_ROUTED, "FramePack"),
         ("WanNetworkTrainer", ["--task", "i2v-14B"], ALL_ROUTED, "image-to-video"),
         ("WanNetworkTrainer", ["--task", "t2v-A14B", "--dit_high_noise", "h", "--batch_size", "2"], ALL_ROUTED, "one expert's side"),
-        ("QwenImageNetworkTrainer", [], {"mode": "map", "map_out": "m"}, r"mode = \"map\": the in-run gradient map is not available"),
+        ("QwenImageNetworkTrainer", [], {"mode": "map", "map_out": "m", "map_reenc": True}, r"map_reenc: the VAE arms are not supported"),
         ("QwenImageNetworkTrainer", [], {**ALL_ROUTED, "sigma_policy": "res_shift"}, "sigma_policy"),
         ("QwenImageNetworkTrainer", [], {**ALL_ROUTED, "arch": "wan"}, "the config says 'wan'"),
     ],
@@ -386,7 +386,7 @@ def test_a_resumed_run_routes_on_where_the_saved_run_stopped(tmp_path):
 
 def test_the_startup_check_reads_a_musubi_command_line():
     """The kohya conventions are musubi-tuner's too: a bad key stops the script before any model loads."""
-    from downscale_plugin.hosts.kohya import startup_report
+    from downscale_plugin.hosts.kohya.conventions import startup_report
 
     script = "src/musubi_tuner/wan_train_network.py"
     config = str(Path(__file__).parent.parent / "example_configs" / "musubi_wan22_high_noise.toml")

@@ -203,7 +203,7 @@ def test_wan22_two_experts_each_step_runs_the_expert_its_sigma_names(musubi, tmp
 def test_the_example_config_reaches_the_plugin_through_musubis_own_toml_reader(musubi, monkeypatch):
     from pathlib import Path
 
-    from downscale_plugin.hosts.kohya import plugin_config
+    from downscale_plugin.hosts.kohya.conventions import plugin_config
 
     parser = musubi["wan"].wan_setup_parser(musubi["parser"]())
     path = Path(__file__).parent.parent / "example_configs" / "musubi_wan22_high_noise.toml"

@@ -24,7 +24,7 @@ from safetensors.torch import load_file
 import downscale_plugin
 from downscale_plugin.arch import get_arch
 from downscale_plugin.config import ConfigError, load_config, read_plugin_toml
-from downscale_plugin.hosts.kohya import config_from_training_toml
+from downscale_plugin.hosts.kohya.conventions import config_from_training_toml
 from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
 from downscale_plugin.hosts.sd_scripts.facts import KNOWN_INNERS, HostError
 from downscale_plugin.hosts.sd_scripts.trainer import find_trainer
@@ -212,7 +212,7 @@ UNINTERRUPTED = {
 
 def _recording(patch: pytest.MonkeyPatch) -> list[tuple]:
     """(rule index, lead σ, drawn σ) of every train forward, in order."""
-    from downscale_plugin.hosts.sd_scripts.run import DownscaleRun
+    from downscale_plugin.hosts.kohya.run import DownscaleRun
 
     seen: list[tuple] = []
     on_step = DownscaleRun.on_step

@@ -602,7 +602,7 @@ def _gloo_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
             return vector
 
         routes = []
-        for decision in _bucket_decisions(hw, rank, steps, law=True):  # as hosts/sd_scripts/run.py: record, reduce
+        for decision in _bucket_decisions(hw, rank, steps, law=True):  # as hosts/kohya/run.py: record, reduce
             accounting.record(StepRecord.from_decision(len(routes) + 1, decision, hw, "flux"))
             totals = accounting.reduced(all_reduce)
             routes.append(decision.rule_index)

@@ -159,7 +159,7 @@ def test_auto_keys_are_checked_before_any_model_loads(table, message):
 
 def _decisions(monkeypatch) -> list[tuple]:
     """(rule index, lead σ, drawn σ) of every train forward, in order."""
-    from downscale_plugin.hosts.sd_scripts.run import DownscaleRun
+    from downscale_plugin.hosts.kohya.run import DownscaleRun
 
     seen: list[tuple] = []
     on_step = DownscaleRun.on_step

@@ -23,9 +23,10 @@ from test_hosts_doubles import model_sigma, small_input
 from downscale_plugin.bins import parse_bins
 from downscale_plugin.config import load_config
 from downscale_plugin.grid import area_downsample
+from downscale_plugin.hosts.kohya.backend import ProbeBackend
 from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
 from downscale_plugin.hosts.sd_scripts.facts import BY_ARCH, HostError
-from downscale_plugin.hosts.sd_scripts.map_backend import VAE_CALLS, HostVae, SdScriptsBackend, VaeCalls
+from downscale_plugin.hosts.sd_scripts.map_backend import VAE_CALLS, HostVae, VaeCalls
 from downscale_plugin.mapping.arms import REENC, pixel_arm
 
 RES = "128,128"  # latent 16x16 (4x4 for HunyuanImage): ratio 0.5 has a smaller grid on every architecture
@@ -254,9 +255,9 @@ def test_a_map_the_run_cannot_do_fails_at_prepare_network(tmp_path, steps, confi
 
 
 def test_a_missing_map_package_is_named_at_prepare_network(tmp_path, monkeypatch):
-    from downscale_plugin.hosts.sd_scripts import map as sd_scripts_map
+    from downscale_plugin.hosts.kohya import map as kohya_map
 
-    monkeypatch.setattr(sd_scripts_map, "MAP_PACKAGES", ("scipy", "no_such_package_for_the_map"))
+    monkeypatch.setattr(kohya_map, "MAP_PACKAGES", ("scipy", "no_such_package_for_the_map"))
     with pytest.raises(HostError, match=r'no_such_package_for_the_map not installed.*pip install "downscale-plugin\[map\]"'):
         run_double("flux", "--resolution", RES, downscale=map_config(tmp_path))
 
@@ -306,7 +307,7 @@ def vae_errors(arch: str) -> tuple[float, float]:
     cached = ae.cache(x)
     assert x.abs().max() < 1  # inside HostVae's clamp
     vae = HostVae(ae, BY_ARCH[arch].vae_calls, "cpu", [])
-    backend = SdScriptsBackend([{"latents": cached, "loss_weights": torch.ones(1)}], lambda p: None, None, [], arch, [], {}, vae, seed=5)
+    backend = ProbeBackend([{"latents": cached, "loss_weights": torch.ones(1)}], lambda p: None, None, [], arch, [], {}, vae, seed=5)
     reenc = backend.arm_input(0, REENC)[1]
     return float((vae.decode(cached) - x).abs().max()), float((shift_scale(None, reenc) - shift_scale(None, cached)).abs().max())
 
@@ -365,7 +366,7 @@ def test_vae_arms_of_a_probe_of_images_start_from_its_encoded_latent():
     """Without cached latents a probe holds images (in [-1, 1]): z is their (seeded) encode, the arms build on it."""
     ae, images = TinyAE(4, 8), torch.rand(1, 3, 128, 128, generator=torch.Generator().manual_seed(1)) - 0.5
     probe = {"images": images, "loss_weights": torch.ones(1)}
-    backend = SdScriptsBackend([probe], lambda p: None, None, [], "flux", [], {}, HostVae(ae, "direct", "cpu", []), seed=5)
+    backend = ProbeBackend([probe], lambda p: None, None, [], "flux", [], {}, HostVae(ae, "direct", "cpu", []), seed=5)
     z = ae.encode(images)
     (grid, reenc), (_, pixel) = backend.arm_input(0, REENC), backend.arm_input(0, pixel_arm(0.5))
     assert grid is None and torch.allclose(reenc, z, atol=1e-3)

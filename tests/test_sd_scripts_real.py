@@ -37,7 +37,7 @@ from rng_trap import same as rng_same
 
 import downscale_plugin
 from downscale_plugin.fasterdit.policies import shift_sigma
-from downscale_plugin.hosts.kohya import plugin_config
+from downscale_plugin.hosts.kohya.conventions import plugin_config
 from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
 from downscale_plugin.hosts.sd_scripts.facts import BY_ARCH
 from downscale_plugin.sigma import ddpm_t_to_sigma
@@ -428,7 +428,7 @@ def test_banner_tables_stay_tables_under_the_hosts_logging_setup(capsys):
 
     from library.utils import setup_logging
 
-    from downscale_plugin.hosts.sd_scripts.run import show
+    from downscale_plugin.hosts.kohya.run import show
 
     root = logging.getLogger()
     saved = root.handlers[:], root.level

@@ -228,10 +228,10 @@ def test_disabled_by_the_environment(train):
 def test_a_failing_check_never_breaks_the_command(train, tmp_path):
     """An error inside the check itself: one warning line, and the command runs."""
     fake = tmp_path / "fake"
-    (fake / "downscale_plugin" / "hosts").mkdir(parents=True)
-    (fake / "downscale_plugin" / "__init__.py").write_text("")
-    (fake / "downscale_plugin" / "hosts" / "__init__.py").write_text("")
-    (fake / "downscale_plugin" / "hosts" / "kohya.py").write_text("raise RuntimeError('boom')\n")
+    (fake / "downscale_plugin" / "hosts" / "kohya").mkdir(parents=True)
+    for package in ("downscale_plugin", "downscale_plugin/hosts", "downscale_plugin/hosts/kohya"):
+        (fake / package / "__init__.py").write_text("")
+    (fake / "downscale_plugin" / "hosts" / "kohya" / "conventions.py").write_text("raise RuntimeError('boom')\n")
     proc = subprocess.run(
         [sys.executable, "-c", PROBE.format(argv=["x.py", "--config_file", train])],
         capture_output=True,

@@ -28,10 +28,10 @@ from ...plan import Plan, plan_table
 from ...router import RouteDecision, Router
 from ...scope import Patches
 from ...sigma import SigmaSampler
+from ..kohya.run import carry_native
 from ..sd_scripts.families import FlowFamily
 from ..sd_scripts.hook import DownscaleHook, StepOptions
 from ..sd_scripts.map import MapHook
-from ..sd_scripts.run import carry_native
 from .auto import LabAutoSession
 
 # The lab trainer keeps the Flux trainer contract: Flux packing (patch 2) and ids from flux_utils.prepare_img_ids.

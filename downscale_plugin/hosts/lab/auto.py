@@ -21,8 +21,9 @@ import toml
 from ... import __version__
 from ...config import load_config
 from ...scope import Patches
+from ..kohya.backend import ProbeBackend
 from ..sd_scripts.map import MapHook
-from ..sd_scripts.map_backend import SdScriptsBackend, split_batch
+from ..sd_scripts.map_backend import split_batch
 
 if TYPE_CHECKING:
     from ...mapping.in_run import InRunCertification
@@ -82,7 +83,7 @@ class LabAutoSession:
             "plugin_version": __version__,
         }
         host_step = type(trainer).process_batch
-        backend = SdScriptsBackend(
+        backend = ProbeBackend(
             self.probes[: self.images], lambda probe: host_step(trainer, probe, **rest), hook.forcing, params, cfg.arch, (), info
         )
         sampler, hw = lab_sampler(self.args), backend.grids[0]

@@ -19,7 +19,7 @@ from __future__ import annotations
 from types import ModuleType
 from typing import Any
 
-from ..kohya import import_inner, inner_name, network_args_dict, split_network_args
+from ..kohya.conventions import import_inner, inner_name, network_args_dict, split_network_args
 from .facts import INNER_BY_DENOISER, KNOWN_INNERS, HostError
 from .trainer import find_trainer
 

@@ -32,7 +32,7 @@ from ...cli import HostArgs, HostPart, PlanInputs, register_host
 from ...config import ConfigError, DownscaleConfig
 from ...plan import Sampler
 from ...sigma import ContinuousLaw
-from ..kohya import config_from_command_line, config_from_training_toml
+from ..kohya.conventions import config_from_command_line, config_from_training_toml
 from .buckets import MusubiBuckets, latent_frames
 from .facts import BY_ARCH, MUSUBI_ARCHS, REFUSED_TRAINERS, SUPPORTED, HostError
 from .family import FLOW_MODES, MusubiFamily, PlanSampler, flow_law

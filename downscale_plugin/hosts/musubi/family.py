@@ -36,7 +36,7 @@ import torch
 from ...rng import forked, seed_forked
 from ...scope import swap_attr
 from ...sigma import ContinuousLaw, DiscreteLaw, SigmaLaw, SigmaSampler, density_cdf
-from ..sd_scripts.families import BoundSampler, Pool, PooledLaw
+from ..kohya.pool import BoundSampler, Pool, PooledLaw
 from .facts import BASE_TRAINER, SAMPLER_METHOD, HostError, MusubiArch
 
 # The flow branch of trainer_base's sampler (σ = t, timesteps = 1000·t + 1); every other mode reads the scheduler grid.

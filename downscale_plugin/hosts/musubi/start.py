@@ -11,8 +11,8 @@ router and the accounting, and installs, each recorded in the run's patches (``D
 - the start banner (main process) and the end summary at ``accelerator.end_training``, which every rank
   calls after the loop and before the main process's last save;
 - the plugin's counts saved with ``--save_state`` and restored with ``--resume`` (accelerate state hooks);
-- with ``mode = "auto"`` (and ``certify_budget`` > 0), the in-run certification (``auto.py``): its
-  forcing step hook in place of the plain one, and the probe collection around it.
+- with ``mode = "map"`` (``map.py``) or ``mode = "auto"`` and ``certify_budget`` > 0 (``auto.py``), the
+  in-run measurement: its forcing step hook in place of the plain one, and the probe collection around it.
 
 The router's forward index is the plugin's own count: musubi-tuner restarts ``global_step`` at 0 on
 ``--resume`` and has no initial step to skip to, so forward n of a resumed run is absolute forward
@@ -38,8 +38,8 @@ from ...plan import format_plan, plan_table
 from ...rng import accelerator_devices
 from ...router import RouteDecision, Router
 from ...text import route_rows
-from ..kohya import plugin_config
-from ..sd_scripts.run import COUNTS_FILE, DownscaleRun, Routing, shared_seed, show, version
+from ..kohya.conventions import plugin_config
+from ..kohya.run import COUNTS_FILE, DownscaleRun, Routing, shared_seed, show, version
 from .buckets import MusubiBuckets, musubi_buckets
 from .facts import BASE_TRAINER, SUPPORTED, HostError, MusubiArch, trainer_arch
 from .family import MusubiFamily, PlanSampler
@@ -123,11 +123,6 @@ def _forwards(args: Any) -> int:
 def refuse_unsupported(cfg: Any) -> None:
     """Features whose host handles this package does not provide: refused by key, not silently ignored."""
     problems = []
-    if cfg.mode == "map":
-        problems.append(
-            'mode = "map": the in-run gradient map is not available on musubi-tuner yet; use mode = "auto" (in-run certification) '
-            'or mode = "train" with routes'
-        )
     defaults = FasterDitConfig()
     for key in ("direction_loss_weight", "direction_loss_only_routed", "sigma_policy", "positions"):
         if getattr(cfg.fasterdit, key) != getattr(defaults, key):
@@ -194,7 +189,11 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     resumed = ResumedForwards(world)
     run = DownscaleRun(cfg, record.arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, record.arch, seed, buckets, resumed))
     session = None
-    if cfg.mode == "auto" and cfg.certify.budget > 0:
+    if cfg.mode == "map":
+        from .map import MusubiMapSession  # the estimator and the plots load for a map run only
+
+        session = MusubiMapSession(run, ctx, family, buckets, record)
+    elif cfg.mode == "auto" and cfg.certify.budget > 0:
         from .auto import MusubiAutoSession  # the certifier loads for an auto run only
 
         session = MusubiAutoSession(run, ctx, family, buckets, record)
@@ -226,7 +225,9 @@ def _banner(run: DownscaleRun, record: MusubiArch, ctx: TrainerContext, args: An
         f"seed {run.seed}, {run.world_size} process(es); σ from {_sampler_text(args)}; positions: {record.positions}{frames}"
     )
     rules = "\n".join(f"  {row}".rstrip() for row in route_rows(cfg.routes))
-    if cfg.mode == "auto":
+    if cfg.mode == "map":
+        rules = session.banner()
+    elif cfg.mode == "auto":
         rules = session.banner() if session else '  mode = "auto", certify_budget = 0: no probes; the run trains native, as the plain run'
     return f"{head}\n{format_plan(run.plan) if run.plan else rules}"
 

@@ -21,7 +21,7 @@ from ...config import ConfigError
 from ...fasterdit.cli import LatentSource, register_latent_source
 from ...plan import Sampler
 from ...sigma import CLOSED_FORM_MODES, DENSITY_SCHEMES, DdpmSampler, SigmaSampler
-from ..kohya import config_from_command_line, config_from_training_toml
+from ..kohya.conventions import config_from_command_line, config_from_training_toml
 from .buckets import sd_scripts_buckets
 from .facts import ARCHS, BY_ARCH
 from .flop_args import run_flops

@@ -28,81 +28,19 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import replace
 from types import ModuleType
 from typing import Any, Protocol
 
 import torch
 
 from ...scope import swap_attr
-from ...sigma import LAW_MODES, DiscreteLaw, SigmaLaw, SigmaSampler, ddpm_law, ddpm_t_to_sigma, grid_law, sd3_law, sigma_to_ddpm_t
+from ...sigma import LAW_MODES, SigmaLaw, SigmaSampler, ddpm_law, ddpm_t_to_sigma, grid_law, sd3_law, sigma_to_ddpm_t
+from ..kohya.pool import BoundSampler, Pool, PooledLaw, record_pairs
 
 FLOW_CONTRACTS = ("flux", "lumina", "sd3")
 # Modes whose σ depends on the latent's h, w (the μ shift): candidates must keep the native grid.
 GRID_DEPENDENT_MODES = ("flux_shift", "nextdit_shift")
-
-
-@dataclass
-class Pool:
-    """Every (timestep, σ) pair one bound sampler produced, in draw order (float64, CPU)."""
-
-    timesteps: list[float] = field(default_factory=list)
-    sigmas: list[float] = field(default_factory=list)
-
-    def add(self, timesteps: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-        """Record host-made pairs; returns their positions."""
-        start = len(self.sigmas)
-        self.timesteps.extend(timesteps.detach().reshape(-1).double().cpu().tolist())
-        self.sigmas.extend(sigmas.detach().reshape(-1).double().cpu().tolist())
-        return torch.arange(start, len(self.sigmas))
-
-    def pairs(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(timesteps, σ) at these positions, float64."""
-        index = positions.reshape(-1).tolist()
-        t = torch.tensor([self.timesteps[i] for i in index], dtype=torch.float64)
-        return t, torch.tensor([self.sigmas[i] for i in index], dtype=torch.float64)
-
-
-def _record(pool: Pool, timesteps: torch.Tensor, sigmas: torch.Tensor) -> torch.Tensor:
-    """Record host (t, σ) per sample; return σ as the float64 values the router compares and hands back."""
-    pool.add(timesteps, sigmas)
-    return sigmas.detach().reshape(-1).double().cpu()
-
-
-@dataclass(frozen=True)
-class PooledLaw:
-    """A σ law whose draws enter the step's pool like the host's own: an atom as its host (t, σ) pair, a
-    continuous draw rounded to the host's σ dtype and paired as ``pair`` says (the host's t = σ·T)."""
-
-    law: SigmaLaw
-    pool: Pool
-    pair: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]] | None = None  # continuous laws only
-
-    def masses(self, classify: Callable, edges: Any) -> dict[int, float]:
-        return self.law.masses(classify, edges)
-
-    def draw(self, n: int, category: int, classify: Callable, edges: Any, generator: torch.Generator) -> torch.Tensor:
-        if isinstance(self.law, DiscreteLaw):
-            atoms = self.law.draw_atoms(n, category, classify, generator)
-            return _record(self.pool, self.law.labels[atoms], self.law.values[atoms])
-        return _record(self.pool, *self.pair(self.law.draw(n, category, classify, edges, generator)))
-
-
-@dataclass
-class BoundSampler:
-    """The host sampler bound to one step's arguments.
-
-    ``first()`` reproduces the host's RNG use up to and including its σ draw (sd-scripts draws the
-    noise first), so under a forked RNG it returns the σ the host is about to draw. ``draw(n)``
-    returns n fresh σ the host's way. Both, and ``law``'s draws, record each sample's host-made
-    (timestep, σ) in ``pool``; ``replay(positions)`` hands the host back those pairs.
-    """
-
-    first: Callable[[], torch.Tensor]
-    draw: Callable[[int], torch.Tensor]
-    replay: Callable[[torch.Tensor], Any]
-    pool: Pool
-    law: PooledLaw | None = None
 
 
 class SamplerFamily(Protocol):
@@ -188,7 +126,7 @@ class FlowFamily:
             _, timesteps, sigmas = self._call(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
             out_dtypes.setdefault("t", timesteps.dtype)
             out_dtypes.setdefault("s", sigmas.dtype)
-            return _record(pool, timesteps, sigmas)
+            return record_pairs(pool, timesteps, sigmas)
 
         def first() -> torch.Tensor:
             torch.randn_like(latents)  # the host draws its noise before σ: advance the RNG the same way
@@ -262,7 +200,7 @@ class DDPMFamily:
         t_max = noise_scheduler.config.num_train_timesteps if args.max_timestep is None else args.max_timestep
 
         def keys(t: torch.Tensor) -> torch.Tensor:
-            return _record(pool, t, ddpm_t_to_sigma(t, alphas))
+            return record_pairs(pool, t, ddpm_t_to_sigma(t, alphas))
 
         def first() -> torch.Tensor:
             _, _, t = self.module.get_noise_noisy_latents_and_timesteps(args, noise_scheduler, latents)

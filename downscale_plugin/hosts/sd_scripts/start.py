@@ -38,14 +38,14 @@ from ...rng import accelerator_devices, forked, seed_forked
 from ...router import RouteDecision, Router
 from ...scope import Patches
 from ...text import route_rows
-from ..kohya import model_identity, plugin_config
+from ..kohya.conventions import model_identity, plugin_config
+from ..kohya.run import DownscaleRun, Routing, shared_seed, show, version
 from .buckets import DatasetBuckets, dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
 from .families import GRID_DEPENDENT_MODES, SamplerFamily
 from .flop_args import run_flops
 from .hook import DownscaleHook
-from .resume import HostResume, banner_line
-from .run import DownscaleRun, Routing, shared_seed, show, version
+from .resume import HostResume, banner_line, read_host_state
 from .trainer import TrainerContext, detect_arch, find_trainer, make_family, step_options
 
 logger = logging.getLogger(__name__)
@@ -209,17 +209,19 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     buckets = dataset_buckets(ctx.dataset_group, get_arch(arch).vae_factor)
     check_windows(cfg, model_identity(args), arch, buckets)
     resume = HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: run.host_state)
-    run = DownscaleRun(cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets, resume))
+    run = DownscaleRun(
+        cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets, resume), read_host_state
+    )
     router, plan = run.router, run.plan
     session = None
     if cfg.mode == "map":
-        from .map import MapSession  # the estimator and the plots load for a map run only
+        from .map import SdScriptsMapSession  # the estimator and the plots load for a map run only
 
-        session = MapSession(run, ctx, family, buckets, record)
+        session = SdScriptsMapSession(run, ctx, family, buckets, record)
     elif cfg.mode == "auto" and cfg.certify.budget > 0:
-        from .auto import AutoSession
+        from .auto import SdScriptsAutoSession
 
-        session = AutoSession(run, ctx, family, buckets, record)
+        session = SdScriptsAutoSession(run, ctx, family, buckets, record)
         run.summary_extra.append(session.summary_lines)
     hook = (session.make_hook if session else DownscaleHook)(
         router, family, options=options, rank=rank, world_size=world, on_step=run.on_step, step_logs=run.step_logs

@@ -18,15 +18,14 @@ import argparse
 import importlib
 import os
 import types
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
 import toml
 
-from ..config import NETWORK_ARGS_PREFIX, UNPREFIXED_NETWORK_ARGS, ConfigError, DownscaleConfig, format_problems, load_config
+from ...config import NETWORK_ARGS_PREFIX, UNPREFIXED_NETWORK_ARGS, ConfigError, DownscaleConfig, format_problems, load_config
 
 PLUGIN_MODULE = "downscale_plugin"  # the --network_module that names this plugin
 DISABLE_STARTUP_CHECK = "DOWNSCALE_PLUGIN_NO_STARTUP_CHECK"  # =1: the .pth startup check does nothing
@@ -256,12 +255,16 @@ def plugin_config(plugin_keys: Mapping[str, str], args: Any) -> DownscaleConfig:
 
 
 def model_identity(args: Any) -> str | None:
-    """The base model's identity for windows provenance: the webui model hash sd-scripts writes as
-    ``ss_sd_model_hash`` (sha256 of the 64 KiB at 1 MiB, 8 hex digits) of ``pretrained_model_name_or_path``;
-    None when that is no readable file (a hub name or a diffusers folder: the model is then not compared)."""
+    """The base model's identity for windows provenance: :func:`file_identity` of ``pretrained_model_name_or_path``."""
+    return file_identity(getattr(args, "pretrained_model_name_or_path", None))
+
+
+def file_identity(path: str | None) -> str | None:
+    """The webui model hash sd-scripts writes as ``ss_sd_model_hash`` (sha256 of the 64 KiB at 1 MiB, 8 hex
+    digits) of a model file; None when ``path`` is no readable file (a hub name or a diffusers folder: the
+    model is then not compared)."""
     import hashlib
 
-    path = getattr(args, "pretrained_model_name_or_path", None)
     if not path or not os.path.isfile(path):
         return None
     try:
@@ -308,19 +311,3 @@ def import_inner(
     if missing:
         raise error(f"inner: {name!r} has no {' or '.join(missing)}: not a network module; choices: {choices}")
     return name, module
-
-
-class ForcedSteps:
-    """A step hook's forcing scope, for the in-run measurements (``mode = "map"``, ``"auto"``): inside
-    :meth:`forcing` the hook runs the host's step at ``target_hw`` (None: native) and σ, uncounted;
-    each host's hook says how (``sd_scripts/map.MapHook``, ``musubi/auto.ForcingHook``)."""
-
-    forced: tuple[tuple[int, int] | None, float] | None = None
-
-    @contextmanager
-    def forcing(self, target_hw: tuple[int, int] | None, sigma: float) -> Iterator[None]:
-        self.forced = (target_hw, float(sigma))
-        try:
-            yield
-        finally:
-            self.forced = None

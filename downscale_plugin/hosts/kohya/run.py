@@ -1,4 +1,4 @@
-"""One sd-scripts training run's plugin state: accounting, cross-rank totals, metadata, end summary.
+"""One kohya training run's plugin state (sd-scripts, musubi-tuner): accounting, cross-rank totals, metadata, end summary.
 
 Under multi-GPU the counts are summed over ranks with ``accelerator.reduce`` every train step (every
 rank runs the hook on every step; the host's step logs run on the main process only, where a
@@ -25,7 +25,6 @@ from ...config import DownscaleConfig, RouteRule
 from ...plan import Plan
 from ...router import RouteDecision, Router
 from ...scope import Patches
-from .resume import read_host_state
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +126,14 @@ class DownscaleRun:
     """
 
     def __init__(
-        self, cfg: DownscaleConfig, arch: str, inner: str, seed: int, accelerator: Any, routing: Callable[[DownscaleConfig], Routing]
+        self,
+        cfg: DownscaleConfig,
+        arch: str,
+        inner: str,
+        seed: int,
+        accelerator: Any,
+        routing: Callable[[DownscaleConfig], Routing],
+        read_host_state: Callable[[str], dict | None] | None = None,
     ):
         self.cfg = cfg
         self.arch = arch
@@ -144,7 +150,8 @@ class DownscaleRun:
         self.finished = False
         self.extra_metadata: dict[str, str] = {}  # e.g. ss_downscale_map after an in-run map
         self.summary_extra: list[Callable[[], list[str]]] = []  # more end-summary lines (an in-run certification's cost)
-        self.host_state: dict | None = None  # the host's train_state.json of the state it resumed from
+        self.read_host_state = read_host_state  # a state dir → the host's own record in it (sd-scripts' train_state.json)
+        self.host_state: dict | None = None  # that record of the state the run resumed from
         self.patches = Patches()  # undone by close(), at the run's end
         self._pending: dict | None = None  # restored counts for other routes (a map run: merged once they match)
         # An in-run measurement (map, auto) takes over the routes a resumed state was measured into, instead of measuring again.
@@ -224,9 +231,10 @@ class DownscaleRun:
             json.dump(payload, f)
 
     def _load_state(self, models: Any, input_dir: str) -> None:
-        """Every rank: the host's ``train_state.json`` (where the run resumes); the main process adds the
+        """Every rank: the host's own record of the state (where the run resumes); the main process adds the
         saved totals to its counts, so the cross-rank sums and ``ss_downscale_counts`` cover the whole run."""
-        self.host_state = read_host_state(input_dir)
+        if self.read_host_state is not None:
+            self.host_state = self.read_host_state(input_dir)
         path = os.path.join(input_dir, COUNTS_FILE)
         if self.rank != 0:
             return

@@ -1,0 +1,251 @@
+"""``mode = "auto"`` in a kohya run: certify windows on the run's own model, then train with them.
+
+Timeline (one process; docs/FIDELITY.md §9 has the method):
+
+1. The host's ``start`` builds the session (a host's subclass of :class:`AutoSession`). The run has no routes, so its first steps are native,
+   bitwise the host's. What the run already shows (several processes, a ratio with no smaller grid,
+   fewer train batches than the 16 probes need, a budget too small for the certifier's first look,
+   a ``certify_resume`` file for other settings or another model) stops the run there.
+2. Train batches are cut into single-sample probes (``probes.ProbeSession``) until the last look's
+   16 are in.
+3. Before the step of that batch, the certifier (``mapping/certify.py``) runs once over them, every
+   draw the trainer class's own step at the route's grid and a σ of the bin, with paired
+   noise, spending at most ``certify_budget`` × the run's native compute (``max_train_steps`` ×
+   accumulation × batch single-sample native passes; a route pass counts its token fraction). As in
+   the map, torch's, Python's and NumPy's RNG are restored and the gradients come from
+   ``autograd.grad``: ``.grad``, the optimizer and every later draw are the run's as if nothing had run.
+4. The certified windows (``windows.toml`` in ``map_out``, with ``certify.json``: every bin's verdict,
+   bound and evidence) become the run's routes; the saved weights carry ``ss_downscale_map``, and
+   the end summary adds the certification's cost, the routed share and the net saving.
+
+Front-loaded, not spread: a window saves only on the steps after it opens, and the certifier's
+verdicts are as valid at the start as later, so all of the budget is spent as soon as the probes are
+in. The windows are not re-checked as the adapter trains (docs/FIDELITY.md §9 says what that
+assumes); a later run continues the evidence with ``certify_resume``.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import time
+from typing import Any
+
+import toml
+import torch
+
+from ...arch import get_arch
+from ...config import load_config
+from ...grid import target_grid
+from ...plan import format_plan
+from ...text import pct, route_rows
+from .probes import ProbeSession
+from .run import DownscaleRun
+
+logger = logging.getLogger(__name__)
+
+AUTO_PACKAGES = ("scipy", "tqdm")  # the confidence sequence's t quantiles; the certify CLI's progress bar module is shared
+MASS_SAMPLES = 8192  # host σ draws behind each bin's sampler mass (what a safe verdict is worth; not a bound)
+
+
+class AutoSession(ProbeSession):
+    """One ``auto`` run's state; see the module docstring. A host's subclass adds its probes
+    (``ProbeSession``) and its σ sampler as ``plan`` draws it (:meth:`host_sampler`)."""
+
+    mode = "auto"
+
+    def __init__(self, run: DownscaleRun, ctx: Any, family: Any, buckets: Any, record: Any):
+        from ...mapping.in_run import in_run_setup
+        from ...mapping.sequential import Looks
+
+        super().__init__(run, ctx, family, buckets, record, Looks().last)
+        self.run_passes = self.forwards() * max(buckets.batch_size, 1)
+        self.setup = in_run_setup(run.cfg, self.run_passes, run.seed)
+        self.routes, self.bins, self.settings = self.setup.routes, self.setup.bins, self.setup.settings
+        self.prior: dict[str, Any] | None = None
+        self.result: Any = None
+        self.paths: dict[str, str] = {}
+        self.certify_s = 0.0
+        self.started = time.perf_counter()
+        self.refuse(self.problems())
+
+    def packages(self) -> tuple[str, ...]:
+        return AUTO_PACKAGES
+
+    def problems(self) -> list[str]:
+        """What makes certification in this run impossible, found before any compute."""
+        cfg = self.run.cfg
+        problems = self.run_problems(cfg.map.ratios, "map_ratios", "probes") + self.setup.problems
+        first_look = self.first_look_cost()
+        if first_look is not None and self.settings.budget < first_look:
+            problems.append(
+                f"certify_budget: {cfg.certify.budget:g} of this run's {self.run_passes} single-sample passes is "
+                f"{self.settings.budget:.1f} native-step equivalents; the certifier's first look at one σ bin costs {first_look:.1f} "
+                f"({self.settings.looks.at[0]} probes × {self.settings.draws} draws × (1 native + the routes' token fractions)); "
+                "raise certify_budget or --max_train_steps, or set certify_budget = 0 to train without certifying"
+            )
+        if cfg.certify.resume:
+            problems += self._prior_problems(cfg.certify.resume)
+        return problems
+
+    def first_look_cost(self) -> float | None:
+        """Native-step equivalents of one look at one bin for every route, on the run's first bucket."""
+        if not self.buckets.latent_buckets:
+            return None
+        native = self.buckets.latent_buckets[0]
+        spec = get_arch(self.run.arch)
+        fractions = []
+        for arm in self.routes:
+            small = target_grid(native, arm.ratio, spec)
+            if small is None:
+                return None  # named by run_problems
+            fractions.append(small[0] * small[1] / (native[0] * native[1]))
+        return self.settings.looks.at[0] * self.settings.draws * (1.0 + math.fsum(fractions))
+
+    def _prior_problems(self, path: str) -> list[str]:
+        """A resumed ``certify.json`` continues a confidence sequence only under the same settings, model and arch."""
+        from ...mapping.certify_cli import resume_problems
+
+        try:
+            with open(path) as fh:
+                self.prior = json.load(fh)
+        except (OSError, ValueError) as err:
+            return [f"certify_resume: cannot read {path}: {err}"]
+        problems = [f"certify_{p}" for p in resume_problems(self.prior, self.settings, self.bins, self.routes)]
+        saved = self.prior.get("provenance", {}).get("backend", {})
+        here = {"model_identity": self.model_identity(), "arch": self.run.arch}
+        for key, value in here.items():
+            if value is not None and saved.get(key) != value:
+                text = f"certify_resume: {key}: the saved evidence is for {saved.get(key)!r}, this run is {value!r}"
+                if self.run.cfg.windows.foreign == "error":
+                    problems.append(f'{text} (windows_foreign = "warn" adds the evidence anyway)')
+                else:
+                    logger.warning('downscale_plugin: %s; windows_foreign = "warn": continuing it anyway', text)
+        return problems
+
+    def banner(self) -> str:
+        s = self.settings
+        return (
+            f'  mode = "auto": the certifier runs when the first {self.images} training samples are in (batch {self.batches_needed}, '
+            f"before its step); routes {', '.join(a.name for a in self.routes)}, σ bins {self.bins.spec()}, ε {s.margin:g}, "
+            f"paired D = {s.draws}, looks {list(s.looks.at)}: at most {s.budget:.0f} native-step equivalents "
+            f"({pct(self.run.cfg.certify.budget)} of the run's {self.run_passes} single-sample passes); outputs to {self.out_dir}"
+            + (f"; continuing the evidence of {self.run.cfg.certify.resume}" if self.prior else "")
+        )
+
+    # -- certification --------------------------------------------------------------------------
+
+    def host_sampler(self) -> Any:
+        """The host's σ sampler as ``plan`` draws it (``sample(n, latent_hw, generator)``)."""
+        raise NotImplementedError
+
+    def sigma_mass(self, latent_hw: tuple[int, int]) -> tuple[Any, str]:
+        """P(lo < σ ≤ hi) (a point bin: P(σ = hi)) under the host's own sampler at the probes' grid, from
+        :data:`MASS_SAMPLES` draws made as ``plan`` makes them (forked RNG: the run's draws are untouched)."""
+        sampler = self.host_sampler()
+        sigmas = sampler.sample(MASS_SAMPLES, latent_hw, torch.Generator().manual_seed(self.run.seed)).double()
+
+        def mass(lo: float, hi: float) -> float:
+            inside = (sigmas == hi) if hi <= lo else (sigmas > lo) & (sigmas <= hi)
+            return float(inside.double().mean())
+
+        return mass, f"the host's sampler ({MASS_SAMPLES} draws at latent {latent_hw[0]}x{latent_hw[1]})"
+
+    def complete(self, arguments: dict[str, Any]) -> None:
+        from ...mapping.in_run import ForeignEvidence, certify_in_run
+
+        backend = self.backend(arguments)
+        mass, mass_text = self.sigma_mass(backend.grids[0])
+        prior = (self.run.cfg.certify.resume, self.prior) if self.prior is not None else None
+        try:
+            done = certify_in_run(
+                backend,
+                self.routes,
+                self.bins,
+                self.settings,
+                mass,
+                mass_text,
+                self.out_dir,
+                self.command(),
+                prior,
+                self.run.cfg.windows.foreign,
+            )
+        except ForeignEvidence as err:
+            raise self.error(f'mode = "auto": {err}') from None
+        for text in done.foreign:
+            logger.warning('downscale_plugin: certify_resume: %s; windows_foreign = "warn": continuing it anyway', text)
+        self.result, self.certify_s = done.result, done.seconds
+        self.paths = {"toml": done.windows_toml, "json": done.certify_json}
+        logger.info(
+            "downscale_plugin: certified before train batch %d (%.1f s)\n%s\nwrote %s\nwrote %s",
+            self.batches,
+            done.seconds,
+            done.table,
+            done.windows_toml,
+            done.certify_json,
+        )
+        self.train_with(done.windows_toml)
+
+    def train_with(self, windows_path: str) -> None:
+        """The certified windows become the run's routes: router, plan, accounting, metadata; log them."""
+        run, s, result = self.run, self.settings, self.result
+        derived = load_config(plugin_toml=toml.load(windows_path))
+        plan = run.retarget(derived.routes)
+        safe = [f"{t.route} {self.bins.label(t.bin)}" for t in result.tests if t.safe]
+        run.extra_metadata["ss_downscale_map"] = json.dumps(
+            {
+                "method": "certify",
+                "windows_toml": windows_path,
+                "certify_json": self.paths["json"],
+                "windows": [f"{r.label} {r.window_text()}" for r in derived.routes],
+                "safe_bins": safe,
+                "before_train_batch": self.batches,
+                "probes": self.images,
+                "ratios": list(run.cfg.map.ratios),
+                "bins": self.bins.spec(),
+                "draws": s.draws,
+                "margin": s.margin,
+                "alpha": s.looks.alpha,
+                "looks": list(s.looks.at),
+                "native_step_equivalents": round(result.spent, 3),
+                "budget": round(s.budget, 3),
+            }
+        )
+        if not run.cfg.routes:
+            logger.warning(
+                'downscale_plugin: mode = "auto": no route has a certified window at margin %g; training continues native', s.margin
+            )
+            return
+        rules = "\n".join(f"  {row}".rstrip() for row in route_rows(run.cfg.routes))
+        logger.info(
+            'downscale_plugin: mode = "auto": training continues from batch %d with the certified windows (%s)\n%s',
+            self.batches,
+            windows_path,
+            format_plan(plan) if plan else rules,
+        )
+
+    def summary_lines(self) -> list[str]:
+        """The end summary's certification lines: cost against the run, routed share, net saving."""
+        if self.result is None:
+            if self.measured:  # adopted from a resumed state
+                return ["  certification: none in this run; the resumed state's windows, certified before it was saved, route it"]
+            return []
+        totals = self.run.totals
+        spent = self.result.spent
+        share = spent / self.run_passes if self.run_passes else 0.0
+        flop = totals.flop_saving()
+        lines = [
+            f"  certification: {spent:.1f} native-step equivalents ({pct(share)} of the run's native compute, budget "
+            f"{pct(self.run.cfg.certify.budget)}), {self.certify_s:.1f} s; {sum(t.safe for t in self.result.tests)} safe bin(s); "
+            f"routed {pct(totals.demote_fraction())} of the run's steps"
+        ]
+        if flop is not None:
+            wall = time.perf_counter() - self.started
+            train = max(wall - self.certify_s, 0.0)
+            saved = train * flop / (1.0 - flop) if flop < 1.0 else 0.0  # what the routed steps took off an all-native run (FLOP model)
+            lines.append(
+                f"  net saving: FLOP {pct(flop)} − certification {pct(share)} = {pct(flop - share)}; wall (FLOP-model estimate of the "
+                f"routed steps' saving minus the measured certification) {saved - self.certify_s:+.1f} s of {wall:.1f} s"
+            )
+        return lines

@@ -1,16 +1,20 @@
-"""The plugin inside more real musubi-tuner trainers: FLUX.2, Z-Image, HunyuanVideo (skipped unless ``MUSUBI_DIR`` is set).
+"""The plugin inside more real musubi-tuner trainers: FLUX.2, Z-Image, HunyuanVideo 1.0 and 1.5 (skipped unless ``MUSUBI_DIR`` is set).
 
 As tests/test_musubi_real.py does for Wan and Qwen-Image: tiny DiTs built from musubi-tuner's own classes
-(``Flux2``, ``ZImageTransformer2DModel``, ``HYVideoDiffusionTransformer``; only the sizes shrunk, no checkpoint)
-go through the real trainers' ``_build_network`` with ``--network_module downscale_plugin`` (the real
-``networks.lora_flux_2`` / ``networks.lora_zimage`` / ``networks.lora`` auto-detected), then step by step as
-``_run_training_loop`` does, the real ``process_batch`` → sampler → ``call_dit`` → ``compute_loss``. Checked:
-routed steps run the DiT's patch embedding at the small grid (HunyuanVideo: F kept, RoPE built for the small
-grid), on the noisy input the router's σ (inside the route's window) makes of the small latents; a run whose
-routes never fire is bitwise the plain inner network's run; the family's dry draw is the σ the host draws next
-and leaves torch's and Python's RNG and the timestep-bucket pool as the host's own draw would.
-HunyuanVideo 1.5 is not here: ``HunyuanVideo_1_5_DiffusionTransformer`` fixes its full size in ``__init__``.
+(``Flux2``, ``ZImageTransformer2DModel``, ``HYVideoDiffusionTransformer``, ``HunyuanVideo_1_5_DiffusionTransformer``;
+only the sizes shrunk, no checkpoint) go through the real trainers' ``_build_network`` with ``--network_module
+downscale_plugin`` (the real ``networks.lora_flux_2`` / ``networks.lora_zimage`` / ``networks.lora`` /
+``networks.lora_hv_1_5`` auto-detected), then step by step as ``_run_training_loop`` does, the real
+``process_batch`` → sampler → ``call_dit`` → ``compute_loss``. Checked: routed steps run the DiT's patch embedding
+at the small grid (HunyuanVideo 1.0 and 1.5: F kept, RoPE built for the small grid), on the noisy input the
+router's σ (inside the route's window) makes of the small latents; a run whose routes never fire is bitwise the
+plain inner network's run; the family's dry draw is the σ the host draws next and leaves torch's and Python's RNG
+and the timestep-bucket pool as the host's own draw would.
 HunyuanVideo's ``get_cu_seqlens`` allocates on "cuda" (only flash attention reads it): a CPU copy stands in.
+``HunyuanVideo_1_5_DiffusionTransformer.__init__`` takes no widths (it hard-codes the 8.3 B model's): it is built
+with its building blocks called at tiny widths for the duration of the construction (``_tiny_hv15``). Its batches
+are text-to-video ones, without ``latents_image`` (its ``call_dit`` concatenates them whenever present, and the
+plugin refuses such batches), so ``call_dit`` concatenates its zero conditioning at the latents' own grid.
 """
 
 from __future__ import annotations
@@ -21,22 +25,40 @@ from test_musubi_real import MUSUBI_DIR, NEVER, Setup, musubi  # noqa: F401  (mu
 
 pytestmark = pytest.mark.skipif(not MUSUBI_DIR, reason="MUSUBI_DIR (a musubi-tuner checkout) is not set")
 
-INNER = {"flux_2": "networks.lora_flux_2", "z_image": "networks.lora_zimage", "hunyuan_video": "networks.lora"}
+INNER = {
+    "flux_2": "networks.lora_flux_2",
+    "z_image": "networks.lora_zimage",
+    "hunyuan_video": "networks.lora",
+    "hunyuan_video_1_5": "networks.lora_hv_1_5",
+}
 ARGV = {
     "flux_2": ("--timestep_sampling", "flux2_shift"),
     "z_image": ("--timestep_sampling", "shift", "--discrete_flow_shift", "3"),
     "hunyuan_video": ("--timestep_sampling", "shift", "--discrete_flow_shift", "3"),
+    # musubi-tuner's docs/hunyuan_video_1_5.md suggests shift 2; its handle_model_specific_args would default dit_dtype to bf16
+    "hunyuan_video_1_5": ("--timestep_sampling", "shift", "--discrete_flow_shift", "2", "--dit_dtype", "float32"),
 }
-LATENTS = {"flux_2": (2, 16, 8, 8), "z_image": (2, 16, 8, 8), "hunyuan_video": (2, 16, 2, 8, 8)}  # FLUX.2's already at 1/16
+LATENTS = {  # FLUX.2's already at 1/16; HunyuanVideo 1.5's VAE has 32 channels
+    "flux_2": (2, 16, 8, 8),
+    "z_image": (2, 16, 8, 8),
+    "hunyuan_video": (2, 16, 2, 8, 8),
+    "hunyuan_video_1_5": (2, 32, 2, 8, 8),
+}
 # the patch embedding's input: FLUX.2 packs B,C,H,W to B,HW,C; Z-Image patchifies 2×2 to B,HW/4,4C; HunyuanVideo's
-# PatchEmbed takes B,C,F,H,W (F = 2 latent frames kept)
-NATIVE = {"flux_2": (2, 64, 16), "z_image": (2, 16, 64), "hunyuan_video": (2, 16, 2, 8, 8)}
-SMALL = {"flux_2": (2, 16, 16), "z_image": (2, 4, 64), "hunyuan_video": (2, 16, 2, 4, 4)}
+# PatchEmbed takes B,C,F,H,W (F = 2 latent frames kept); HunyuanVideo 1.5's takes the noisy latents and the t2v zero
+# conditioning (32 latent channels + 1 mask channel) concatenated on C, at the latents' grid
+NATIVE = {"flux_2": (2, 64, 16), "z_image": (2, 16, 64), "hunyuan_video": (2, 16, 2, 8, 8), "hunyuan_video_1_5": (2, 65, 2, 8, 8)}
+SMALL = {"flux_2": (2, 16, 16), "z_image": (2, 4, 64), "hunyuan_video": (2, 16, 2, 4, 4), "hunyuan_video_1_5": (2, 65, 2, 4, 4)}
 TRAINERS = {  # arch: (the parser setup and the trainer class of its training script)
     "flux_2": ("flux2_setup_parser", "Flux2NetworkTrainer"),
     "z_image": ("zimage_setup_parser", "ZImageNetworkTrainer"),
     "hunyuan_video": ("hv_setup_parser", "HunyuanVideoNetworkTrainer"),
+    "hunyuan_video_1_5": ("hv1_5_setup_parser", "HunyuanVideo15NetworkTrainer"),
 }
+# HunyuanVideo 1.5's __init__ passes its hard-coded widths to its building blocks: hidden 2048, Qwen2.5-VL text 3584,
+# ByT5 1472, SigLIP 1152, 16 heads. Each block class it builds gets these int arguments shrunk (head dim 32 / 2 = 16).
+HV15_SIZES = {2048: 32, 3584: 32, 1472: 16, 1152: 16, 16: 2}
+HV15_BLOCKS = "ByT5Mapper PatchEmbed VisionProjection SingleTokenRefiner TimestepEmbedder MMDoubleStreamBlock FinalLayer".split()
 
 
 def _cpu_cu_seqlens(text_mask: torch.Tensor, img_len: int) -> torch.Tensor:
@@ -49,23 +71,56 @@ def _cpu_cu_seqlens(text_mask: torch.Tensor, img_len: int) -> torch.Tensor:
     return cu
 
 
+def _tiny_hv15(models) -> torch.nn.Module:
+    """musubi-tuner's ``HunyuanVideo_1_5_DiffusionTransformer`` (t2v, torch attention) at tiny widths: built by its own
+    ``__init__`` with the block classes of ``hunyuan_video_1_5_models`` called on ``HV15_SIZES``-shrunk widths for the
+    duration of the construction; then what ``__init__`` sizes itself is matched: its 54 double blocks cut to 1, its
+    ``cond_type_embedding`` (an ``nn.Embedding(3, 2048)``) rebuilt at 32, RoPE's axis dims (16, 56, 56) to the head dim 16."""
+    real = {name: getattr(models, name) for name in HV15_BLOCKS}
+
+    def size(value):
+        return HV15_SIZES.get(value, value) if type(value) is int else value
+
+    def tiny(cls):
+        def build(*args, **kwargs):
+            return cls(*map(size, args), **{k: size(v) for k, v in kwargs.items()})
+
+        return build
+
+    for name, cls in real.items():
+        setattr(models, name, tiny(cls))
+    try:
+        model = models.HunyuanVideo_1_5_DiffusionTransformer(task_type="t2v", attn_mode="torch")
+    finally:
+        for name, cls in real.items():
+            setattr(models, name, cls)
+    del model.double_blocks[1:]
+    model.num_double_blocks = 1
+    model.cond_type_embedding = torch.nn.Embedding(3, 32)
+    model.hidden_size, model.heads_num, model.rope_dim_list = 32, 2, [4, 6, 6]
+    assert sum(p.numel() for p in model.parameters()) < 200_000  # nothing left at the full widths
+    return model
+
+
 @pytest.fixture(scope="module")
 def hosts(musubi):  # noqa: F811
-    """The FLUX.2, Z-Image and HunyuanVideo trainer modules and DiT classes, from the checkout the ``musubi`` fixture put on the path."""
-    from musubi_tuner import flux_2_train_network, hv_train_network, zimage_train_network
+    """The FLUX.2, Z-Image, HunyuanVideo 1.0 and 1.5 trainer modules and DiT classes (1.5's models module), from the ``musubi`` checkout."""
+    from musubi_tuner import flux_2_train_network, hv_1_5_train_network, hv_train_network, zimage_train_network
     from musubi_tuner.flux_2.flux2_models import Flux2, Flux2Params
     from musubi_tuner.hunyuan_model import models as hv_models
+    from musubi_tuner.hunyuan_video_1_5 import hunyuan_video_1_5_models as hv15_models
     from musubi_tuner.zimage.zimage_model import ZImageTransformer2DModel
 
     cu_seqlens = hv_models.get_cu_seqlens
     hv_models.get_cu_seqlens = _cpu_cu_seqlens
-    yield dict(musubi, flux_2=flux_2_train_network, z_image=zimage_train_network, hunyuan_video=hv_train_network, Flux2=Flux2,
-               Flux2Params=Flux2Params, ZImage=ZImageTransformer2DModel, HunyuanVideo=hv_models.HYVideoDiffusionTransformer)  # fmt: skip
+    yield dict(musubi, flux_2=flux_2_train_network, z_image=zimage_train_network, hunyuan_video=hv_train_network,
+               hunyuan_video_1_5=hv_1_5_train_network, Flux2=Flux2, Flux2Params=Flux2Params, ZImage=ZImageTransformer2DModel,
+               HunyuanVideo=hv_models.HYVideoDiffusionTransformer, hv15_models=hv15_models)  # fmt: skip
     hv_models.get_cu_seqlens = cu_seqlens
 
 
 class TinySetup(Setup):
-    """``Setup`` of tests/test_musubi_real.py for FLUX.2, Z-Image and HunyuanVideo: the same trainer, network and loop, other tiny DiTs."""
+    """``Setup`` of tests/test_musubi_real.py for FLUX.2, Z-Image, HunyuanVideo 1.0, 1.5: the same trainer, network and loop, tiny DiTs."""
 
     def __init__(self, m: dict, arch: str, tmp_path, *argv: str, module: str = "downscale_plugin", network_args: tuple[str, ...] = ()):
         self.m, self.arch = m, arch
@@ -91,6 +146,16 @@ class TinySetup(Setup):
         self.inputs: list[tuple[int, ...]] = []
         embed = self.model.all_x_embedder["2-1"] if arch == "z_image" else self.model.img_in
         embed.register_forward_hook(lambda mod, i, o: self.inputs.append(tuple(i[0].shape)))
+        self.ropes: list[tuple[tuple[int, ...], int]] = []  # HunyuanVideo 1.5: (F, H, W) of each RoPE built, its tokens
+        if arch == "hunyuan_video_1_5":  # its call_dit passes no rotary_pos_emb_cache: forward builds RoPE per call
+            rope = self.model.get_rotary_pos_embed
+
+            def recording_rope(sizes):
+                cos, sin = rope(sizes)
+                self.ropes.append((tuple(sizes), cos.shape[0]))
+                return cos, sin
+
+            self.model.get_rotary_pos_embed = recording_rope
         self.calls: list[tuple[torch.Tensor, ...]] = []  # call_dit's (latents, noise, noisy_model_input, timesteps)
         call_dit = self.trainer.call_dit
 
@@ -108,6 +173,8 @@ class TinySetup(Setup):
                 in_channels=16, context_in_dim=32, hidden_size=32, num_heads=2, depth=1, depth_single_blocks=1, axes_dim=[4, 4, 4, 4]
             )
             model = self.m["Flux2"](params, attn_mode="torch")
+        elif self.arch == "hunyuan_video_1_5":
+            model = _tiny_hv15(self.m["hv15_models"])
         elif self.arch == "hunyuan_video":
             model = self.m["HunyuanVideo"](
                 text_states_dim=32, text_states_dim_2=16, in_channels=16, hidden_size=48, heads_num=2, mm_double_blocks_depth=1,
@@ -132,6 +199,10 @@ class TinySetup(Setup):
             mask = torch.tensor([[True] * 5, [True] * 3 + [False] * 2])
             llm = torch.randn(2, 5, 32, generator=gen) * mask[..., None]
             return {"latents": latents, "llm": llm, "llm_mask": mask, "clipL": torch.randn(2, 16, generator=gen), "timesteps": None}
+        if self.arch == "hunyuan_video_1_5":  # t2v: Qwen2.5-VL and ByT5 embeddings of two lengths, no latents_image, no siglip
+            vl = [torch.randn(5, 32, generator=gen), torch.randn(3, 32, generator=gen)]
+            byt5 = [torch.randn(4, 16, generator=gen), torch.randn(2, 16, generator=gen)]
+            return {"latents": latents, "vl_embed": vl, "byt5_embed": byt5, "timesteps": None}
         return {"latents": latents, "llm_embed": [torch.randn(5, 32, generator=gen), torch.randn(3, 32, generator=gen)], "timesteps": None}
 
 
@@ -165,6 +236,8 @@ def test_routed_steps_run_the_real_dit_at_the_small_grid_with_the_routers_sigma(
     assert run.totals.total_steps == 8
     if arch == "hunyuan_video":  # its call_dit builds RoPE per latents.shape[1:]: the small grid's were built and used
         assert set(setup.trainer.pos_embed_cache) == {torch.Size((16, 2, 8, 8)), torch.Size((16, 2, 4, 4))}
+    if arch == "hunyuan_video_1_5":  # its forward builds RoPE from each call's latent shape: the small grid's on routed steps
+        assert setup.ropes == [((2, 4, 4), 32) if d.routed else ((2, 8, 8), 128) for d in decisions]
 
 
 @pytest.mark.parametrize("arch", list(ARGV))

@@ -19,7 +19,11 @@ plugin refuses such batches), so ``call_dit`` concatenates its zero conditioning
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
+import toml
 import torch
 from test_musubi_real import MUSUBI_DIR, NEVER, Setup, musubi  # noqa: F401  (musubi: the fixture)
 
@@ -313,3 +317,40 @@ def test_the_dry_draw_is_the_hosts_next_draw_and_leaves_its_state(hosts, arch, e
     host_sigma()
     host_left = snapshot()
     assert torch.equal(dry_left[0], host_left[0]) and dry_left[1] == host_left[1] and dry_left[2] == before[2]
+
+
+# every musubi-tuner example config: (its training script's module key in ``hosts``, the script's parser setup)
+EXAMPLES = {
+    "musubi_flux2": ("flux_2", "flux2_setup_parser"),
+    "musubi_zimage": ("z_image", "zimage_setup_parser"),
+    "musubi_hunyuan_video": ("hunyuan_video", "hv_setup_parser"),
+    "musubi_hunyuan_video_1_5": ("hunyuan_video_1_5", "hv1_5_setup_parser"),
+    "musubi_qwen_image": ("qwen", "qwen_image_setup_parser"),
+    "musubi_wan21_auto": ("wan", "wan_setup_parser"),
+    "musubi_wan22_high_noise": ("wan", "wan_setup_parser"),
+}
+
+
+def test_every_musubi_example_config_is_listed():
+    assert set(EXAMPLES) == {p.stem for p in (Path(__file__).parent.parent / "example_configs").glob("musubi_*.toml")}
+
+
+@pytest.mark.parametrize("name", sorted(EXAMPLES))
+def test_each_musubi_example_config_reaches_the_plugin_through_its_scripts_own_parser_and_toml_reader(hosts, name, monkeypatch):
+    """Every key of the TOML is an option of the script's own parser (common + its arch's; its reader would take
+    any name silently), and ``[plugins.downscale]`` arrives as ``args.downscale``, read by the plugin exactly as
+    the plugin's own reader reads the file."""
+    from downscale_plugin.hosts.kohya.conventions import config_from_training_toml, flatten_training_toml, plugin_config
+
+    module_key, setup = EXAMPLES[name]
+    module = hosts[module_key]
+    parser = getattr(module, setup)(hosts["parser"]())
+    path = Path(__file__).parent.parent / "example_configs" / f"{name}.toml"
+    monkeypatch.setattr(sys, "argv", [f"{module.__name__.rpartition('.')[2]}.py", "--config_file", str(path)])
+    options = {action.dest for action in parser._actions}
+    unknown = set(flatten_training_toml(toml.load(path))) - options - {"downscale"}
+    assert not unknown, f"{name}: not options of {module.__name__}: {sorted(unknown)}"
+    args = module.read_config_from_file(parser.parse_args(), parser)
+    assert args.network_module == "downscale_plugin" and isinstance(args.downscale, dict)
+    expected, _ = config_from_training_toml(str(path))
+    assert plugin_config({}, args) == expected and (expected.routes or expected.mode == "auto")

@@ -41,6 +41,21 @@ plan --host musubi`` on the run's training TOML and buckets); the saved LoRA's
 scripts merge it, agreeing with the loaders' own merge-at-load ``lora_weights_list`` path). Prints
 ``E2E OK``. ``E2E_STEPS`` sets ``max_train_steps``, ``E2E_BATCH`` the dataset's batch size; arguments after
 WORK_DIR go to the training script (``--gradient_accumulation_steps 2``, ``--num_timestep_buckets 4`` ...).
+
+Several processes (``E2E_PROCESSES``; ``wan_ranks``: 2 by default, Wan 2.1 on ``RANKS``' two-resolution dataset
+and bucket-dependent σ law; ``wan``, ``wan22`` take it too): after the caching, this process launches the training
+as that many CPU ranks through accelerate's own launcher, ``python -m accelerate.commands.launch --multi_gpu
+--num_processes N --num_cpu_threads_per_process 1 ... musubi_e2e.py --rank NAME WORK`` with ``ACCELERATE_USE_CPU=1``
+and no visible GPU, so each rank's Accelerator runs MULTI_CPU on gloo (``--num_processes N`` without ``--multi_gpu``,
+or with ``--cpu``, takes accelerate's simple launcher: one process). Each rank installs the same loader shrinks and
+recorders, trains with its own ``--seed`` (``RANKS["seed"]`` + rank, as an unseeded run draws one per process) and
+writes ``WORK/rank{R}.json`` (its steps, DiT inputs and timesteps, its own and the cross-rank counts, its final LoRA
+weights) and ``WORK/rank{R}.log`` (its output). One shim: accelerate's MULTI_CPU ``prepare_model`` wraps the
+trainer's frozen DiT in DDP, which refuses a model with no trainable parameter; the ranks get accelerate's
+multi-GPU behaviour for it, no DDP (``frozen_modules_unwrapped``). musubi-tuner's ``--ddp_timeout`` only reaches the
+process group with more than one CUDA device, so a hung collective ends at ``E2E_LAUNCH_TIMEOUT`` here. This process
+then checks every rank's grids, the saved LoRA's cross-rank counts and its load in musubi-tuner, and writes
+``record.json`` with one entry per rank (and what each printed: the plugin's start banner and end summary).
 """
 
 from __future__ import annotations
@@ -51,6 +66,7 @@ import math
 import os
 import runpy
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 import numpy as np
@@ -83,6 +99,34 @@ SAMPLING = {
 SNAPSHOT = "0" * 40
 DIT_INPUTS: list[tuple[int, ...]] = []  # the patch embedding's input of every DiT forward while training
 DIT_WEIGHTS: list[float] = []  # ... and its first weight (which expert ran)
+DIT_TIMESTEPS: list[list[float]] = []  # ... and the timesteps it was called with (Wan)
+
+# The multi-process run (``wan_ranks``, launched as E2E_PROCESSES ranks): clips at two resolutions, so the ranks are
+# on different buckets on some steps, under a σ law that depends on the bucket (flux_shift: μ from the latent's
+# size) and is narrow (sigmoid_scale), so the two buckets' route odds differ by much: logit σ ~ N(μ, 0.0225²) with
+# μ 0.4675 at 128² (16×16 latent) and 0.5 at 256² (32×32). The two windows' edges sit at the two median σ
+# (0.6148, 0.6225): per bucket native / r0 / r1 ≈ 0.50 / 0.43 / 0.07 at 128² and 0.07 / 0.43 / 0.50 at 256², so
+# ranks on the same bucket must route together where independent draws would often split, and ranks on different
+# buckets disagree on about 85 % of such steps (one shared uniform through each rank's own odds).
+RANKS = {
+    "sizes": {"small": ((128, 128), 4), "large": ((256, 256), 4)},  # (W, H), clips
+    "sampling": {"timestep_sampling": "flux_shift", "discrete_flow_shift": 1.0, "sigmoid_scale": 0.0225},
+    "routes": """
+[plugins.downscale]
+gate = "coupled"
+
+[[plugins.downscale.routes]]
+scale = 0.75                      # between the two buckets' median σ ...
+sigma_min = 0.6148
+sigma_max = 0.6225
+
+[[plugins.downscale.routes]]
+scale = 0.5                       # ... and above the larger bucket's (the rest runs native)
+sigma_min = 0.6225
+""",
+    "frames": 1,  # pixel frames per clip (Wan's VAE: one latent frame; a video's cost without its VAE time)
+    "seed": 100,  # rank r trains with --seed 100 + r, as an unseeded run draws one per process (reproducibly here)
+}
 
 
 # ---- tiny models from the real loaders ----------------------------------------------------------------------------
@@ -144,6 +188,16 @@ def record_inputs(model: torch.nn.Module, embed: str) -> torch.nn.Module:
     return model
 
 
+def record_timesteps(model: torch.nn.Module, key: str = "t") -> torch.nn.Module:
+    """Record the timesteps each DiT forward is called with (Wan: ``model(x, t=timesteps, ...)``)."""
+
+    def hook(module, args, kwargs):
+        DIT_TIMESTEPS.append(kwargs[key].detach().float().reshape(-1).tolist())
+
+    model.register_forward_pre_hook(hook, with_kwargs=True)
+    return model
+
+
 def trained(model: torch.nn.Module) -> torch.nn.Module:
     """A trained DiT's output and modulation layers are not the init's zeros, which would leave a LoRA no gradient."""
     for module in model.modules():
@@ -185,12 +239,13 @@ def qwen2_tokenizer(path: Path) -> int:
 # ---- datasets ---------------------------------------------------------------------------------------------------
 
 
-def write_clips(folder: Path) -> None:
+def write_clips(folder: Path, sizes=SIZES, first: int = 0) -> None:
+    """Five-frame clips ``clip{first + i}.mp4`` of ``sizes`` (W, H), each with its caption."""
     import av
 
     folder.mkdir(parents=True)
-    rng = np.random.default_rng(0)
-    for i, (w, h) in enumerate(SIZES):
+    rng = np.random.default_rng(first)
+    for i, (w, h) in enumerate(sizes, start=first):
         container = av.open(str(folder / f"clip{i}.mp4"), mode="w")
         stream = container.add_stream("mpeg4", rate=16)
         stream.width, stream.height, stream.pix_fmt = w, h, "yuv420p"
@@ -213,11 +268,13 @@ def write_images(folder: Path) -> None:
         (folder / f"{i}.txt").write_text(f"a tiny test image number {i}")
 
 
-def dataset_toml(work: Path, media: str) -> Path:
+def dataset_toml(work: Path, media: str, write: bool = True) -> Path:
     extra = f'video_directory = "{work / "media"}"\ntarget_frames = [{FRAMES}]\nframe_extraction = "head"\n'
     if media == "images":
         extra = f'image_directory = "{work / "media"}"\n'
     path = work / "dataset.toml"
+    if not write:
+        return path
     path.write_text(
         f'[general]\nresolution = [128, 128]\ncaption_extension = ".txt"\nbatch_size = {BATCH}\nenable_bucket = true\n\n'
         f'[[datasets]]\n{extra}cache_directory = "{work / "cache"}"\nnum_repeats = 1\n'
@@ -225,8 +282,31 @@ def dataset_toml(work: Path, media: str) -> Path:
     return path
 
 
-def training_toml(work: Path, model: str, sampling: dict) -> Path:
+def ranks_dataset(work: Path, write: bool = True) -> tuple[Path, list[Path], int]:
+    """The multi-process run's dataset TOML: one dataset per resolution of ``RANKS["sizes"]`` (its own clips and cache
+    folder; no upscaling, so each keeps its own bucket); its cache folders and item count."""
+    path, sections, dirs, first = work / "dataset.toml", [], [], 0
+    for name, (size, count) in RANKS["sizes"].items():
+        media, cache = work / f"media_{name}", work / f"cache_{name}"
+        if write:
+            write_clips(media, [size] * count, first)
+        sections.append(
+            f'[[datasets]]\nresolution = [{size[0]}, {size[1]}]\nvideo_directory = "{media}"\ntarget_frames = [{RANKS["frames"]}]\n'
+            f'frame_extraction = "head"\ncache_directory = "{cache}"\nnum_repeats = 1\n'
+        )
+        dirs.append(cache)
+        first += count
+    if write:
+        general = f'[general]\ncaption_extension = ".txt"\nbatch_size = {BATCH}\nenable_bucket = true\n\n'
+        path.write_text(general + "\n".join(sections))
+    return path, dirs, first
+
+
+def training_toml(work: Path, model: str, sampling: dict, routes: str = ROUTES, write: bool = True) -> Path:
     path = work / "train.toml"
+    if not write:  # a rank of a multi-process run: the launching process wrote it
+        return path
+    sampler = "\n".join(f"{key} = {json.dumps(value)}" for key, value in sampling.items())  # TOML strings and floats
     path.write_text(
         f"""[model]
 {model}
@@ -244,25 +324,29 @@ learning_rate = 1e-3
 optimizer_type = "AdamW"
 seed = 42
 max_data_loader_n_workers = 0
-timestep_sampling = "{sampling["timestep_sampling"]}"
-discrete_flow_shift = {sampling["discrete_flow_shift"]}
-{ROUTES}"""
+{sampler}
+{routes}"""
     )
     return path
 
 
-def caches(prefix: str, dataset: Path, vae: str, *encoder: str) -> list[tuple[str, list[str]]]:
+def caches(prefix: str, dataset: Path, vae: str, *encoder: str, latent_args: Sequence[str] = ()) -> list[tuple[str, list[str]]]:
     """musubi-tuner's two caching scripts of an architecture and their command lines (CPU, one worker)."""
     common = ["--dataset_config", str(dataset), "--device", "cpu", "--num_workers", "1"]
-    latents = (f"{prefix}_cache_latents.py", [*common, "--vae", vae])
+    latents = (f"{prefix}_cache_latents.py", [*common, "--vae", vae, *latent_args])
     return [latents, (f"{prefix}_cache_text_encoder_outputs.py", [*common, *encoder, "--batch_size", "4"])]
 
 
 # ---- the two architectures ------------------------------------------------------------------------------------------
 
 
-def setup_wan(work: Path, hub: Path, task: str = "t2v-1.3B") -> dict:
-    """Wan 2.1 (``t2v-1.3B``), or Wan 2.2's two experts (``t2v-A14B``: a second DiT as ``dit_high_noise``)."""
+def setup_wan(work: Path, hub: Path, task: str = "t2v-1.3B", ranks: bool = False, write: bool = True) -> dict:
+    """Wan 2.1 (``t2v-1.3B``), or Wan 2.2's two experts (``t2v-A14B``: a second DiT as ``dit_high_noise``).
+
+    ``ranks``: the two-resolution dataset, σ sampler and routes of the multi-process run (``RANKS``). ``write=False``
+    (a rank of a multi-process run, in the folder the launching process set up): only install the loaders' shrinks and
+    the DiT's recording; the checkpoints, clips, caches and TOMLs are the launcher's (the trainer loads no T5: the text
+    encoder outputs are cached)."""
     from sd_scripts_e2e import t5_tokenizer  # a character-level Unigram T5 tokenizer (T5's specials)
 
     current_device = torch.cuda.current_device
@@ -274,38 +358,46 @@ def setup_wan(work: Path, hub: Path, task: str = "t2v-1.3B") -> dict:
     finally:
         torch.cuda.current_device = current_device
 
-    vocab = t5_tokenizer(hub_entry(hub, "Wan-AI/Wan2.1-T2V-14B", "google/umt5-xxl"))
-    tiny_t5 = dict(vocab_size=vocab, dim=32, dim_attn=32, dim_ffn=64, num_heads=2, encoder_layers=1, num_buckets=8)
     tiny_vae = dict(dim=8, num_res_blocks=1)
     tiny_dit = dict(dim=48, ffn_dim=64, num_heads=2, num_layers=1, text_dim=32)  # text_dim: the tiny T5's width
     config = WAN_CONFIGS[task]
-    dit_kwargs = captured(wan_model, "load_wan_model", "WanModel", config, "cpu", None, "torch", False, "cpu", torch.float32)
-    vae_kwargs = captured(vae, "_video_vae", "WanVAE_", None, 16)
-    torch.manual_seed(1)
-    t5_path = save_state(t5.umt5_xxl(encoder_only=True, return_tokenizer=False, **tiny_t5), work / "t5.safetensors")
-    vae_path = save_state(vae.WanVAE_(**{**vae_kwargs, **tiny_vae}), work / "vae.safetensors")
-    low = trained(wan_model.WanModel(**{**dit_kwargs, **tiny_dit}))
-    dit_path = save_state(low, work / "dit.safetensors")  # float32 (CPU autocast rejects Wan's float32 time embedding block)
+    t5_path, vae_path, dit_path = (str(work / f"{name}.safetensors") for name in ("t5", "vae", "dit"))
     experts = None
-    if config.v2_2:  # Wan 2.2: the high-noise expert, other random weights (each forward's first weight says which ran)
-        high = trained(wan_model.WanModel(**{**dit_kwargs, **tiny_dit}))
-        experts = {"boundary": config.boundary, "path": save_state(high, work / "dit_high.safetensors")}
-        experts |= {name: float(m.patch_embedding.weight.reshape(-1)[0]) for name, m in (("low", low), ("high", high))}
-        assert experts["low"] != experts["high"]
+    if write:
+        vocab = t5_tokenizer(hub_entry(hub, "Wan-AI/Wan2.1-T2V-14B", "google/umt5-xxl"))
+        tiny_t5 = dict(vocab_size=vocab, dim=32, dim_attn=32, dim_ffn=64, num_heads=2, encoder_layers=1, num_buckets=8)
+        dit_kwargs = captured(wan_model, "load_wan_model", "WanModel", config, "cpu", None, "torch", False, "cpu", torch.float32)
+        vae_kwargs = captured(vae, "_video_vae", "WanVAE_", None, 16)
+        torch.manual_seed(1)
+        save_state(t5.umt5_xxl(encoder_only=True, return_tokenizer=False, **tiny_t5), Path(t5_path))
+        save_state(vae.WanVAE_(**{**vae_kwargs, **tiny_vae}), Path(vae_path))
+        low = trained(wan_model.WanModel(**{**dit_kwargs, **tiny_dit}))
+        save_state(low, Path(dit_path))  # float32 (CPU autocast rejects Wan's float32 time embedding block)
+        if config.v2_2:  # Wan 2.2: the high-noise expert, other random weights (each forward's first weight says which ran)
+            high = trained(wan_model.WanModel(**{**dit_kwargs, **tiny_dit}))
+            experts = {"boundary": config.boundary, "path": save_state(high, work / "dit_high.safetensors")}
+            experts |= {name: float(m.patch_embedding.weight.reshape(-1)[0]) for name, m in (("low", low), ("high", high))}
+            assert experts["low"] != experts["high"]
+        shrink(t5, "umt5_xxl", "_t5", sized(**tiny_t5))  # T5EncoderModel's umt5_xxl(encoder_only=True) -> _t5("umt5-xxl", **cfg)
+    elif config.v2_2:
+        experts = {"boundary": config.boundary, "path": str(work / "dit_high.safetensors")}
 
-    shrink(t5, "umt5_xxl", "_t5", sized(**tiny_t5))  # T5EncoderModel's umt5_xxl(encoder_only=True) -> _t5("umt5-xxl", **cfg)
     shrink(vae, "_video_vae", "WanVAE_", sized(**tiny_vae))
     shrink(wan_model, "load_wan_model", "WanModel", sized(**tiny_dit))
 
     real_load = wan_model.load_wan_model
 
-    def load_wan_model(*args, **kwargs):  # the trainer's: record what its DiT's patch embedding sees
+    def load_wan_model(*args, **kwargs):  # the trainer's: record what its DiT's patch embedding sees, and its timesteps
         model = real_load(*args, **kwargs)
-        return record_inputs(model, "patch_embedding")
+        return record_timesteps(record_inputs(model, "patch_embedding"))
 
     wan_model.load_wan_model = load_wan_model
-    write_clips(work / "media")
-    dataset = dataset_toml(work, "videos")
+    if ranks:
+        dataset, cache_dirs, items = ranks_dataset(work, write)
+    else:
+        if write:
+            write_clips(work / "media")
+        dataset, cache_dirs, items = dataset_toml(work, "videos", write), [work / "cache"], len(SIZES)
     model = f'task = "{task}"\ndit = "{dit_path}"\nvae = "{vae_path}"\nt5 = "{t5_path}"\nmixed_precision = "no"'
     if experts is not None:
         model += f'\ndit_high_noise = "{experts["path"]}"'
@@ -316,14 +408,18 @@ def setup_wan(work: Path, hub: Path, task: str = "t2v-1.3B") -> dict:
             lora_weights_list=None if lora is None else [lora], lora_multipliers=None if lora is None else [1.0],
         )  # fmt: skip
 
+    sampling, routes = (RANKS["sampling"], RANKS["routes"]) if ranks else (SAMPLING["wan"], ROUTES)
     return dict(
-        caches=caches("wan", dataset, vae_path, "--t5", t5_path),
+        # the ranks' larger clips: a float32 VAE (its bfloat16 default convolves about 5× slower on a CPU)
+        caches=caches("wan", dataset, vae_path, "--t5", t5_path, latent_args=("--vae_dtype", "float32") if ranks else ()),
         train="wan_train_network.py",
-        config=training_toml(work, model, SAMPLING["wan"]),
+        config=training_toml(work, model, sampling, routes, write),
         inner="networks.lora_wan",
         load_dit=load_dit,
-        frames=2,
+        frames=1 if ranks else 2,
         experts=experts,
+        cache_dirs=cache_dirs,
+        items=items,
     )
 
 
@@ -391,19 +487,29 @@ def setup_qwen_image(work: Path, hub: Path) -> dict:
         load_dit=load_dit,
         frames=1,
         experts=None,
+        cache_dirs=[work / "cache"],
+        items=len(SIZES),
     )
 
 
-SETUPS = {"wan": setup_wan, "wan22": functools.partial(setup_wan, task="t2v-A14B"), "qwen_image": setup_qwen_image}
-ARCHS = {"wan": "wan", "wan22": "wan", "qwen_image": "qwen_image"}  # the plugin's arch of each setup
+SETUPS = {
+    "wan": setup_wan, "wan22": functools.partial(setup_wan, task="t2v-A14B"), "qwen_image": setup_qwen_image,
+    "wan_ranks": functools.partial(setup_wan, ranks=True),
+}  # fmt: skip
+ARCHS = {"wan": "wan", "wan22": "wan", "qwen_image": "qwen_image", "wan_ranks": "wan"}  # the plugin's arch of each setup
+MULTI = {"wan", "wan22", "wan_ranks"}  # the setups a multi-process launch can run (their setup takes write=False)
 
 
 # ---- recording and checks ---------------------------------------------------------------------------------------------
 
 
-def recorder() -> tuple[list, list]:
-    """Every train step's decision (rule, lead, σ, native and run grid) in order, and the run objects seen."""
-    from downscale_plugin.hosts.sd_scripts.run import DownscaleRun
+def recorder(seen: dict | None = None) -> tuple[list, list]:
+    """Every train step's decision (rule, lead, σ, how many σ were redrawn, native and run grid) in order, and the run
+    objects seen; into ``seen`` (when given) the network each run wraps, how often its ``metadata`` was built (what
+    a ``save_weights`` adds) and the process group's backend while the steps run (accelerate's ``end_training`` ends it)."""
+    import torch.distributed as dist
+
+    from downscale_plugin.hosts.musubi.start import DownscaleRun  # the run class musubi's start builds, wherever it lives
 
     steps: list = []
     runs: list = []
@@ -415,10 +521,26 @@ def recorder() -> tuple[list, list]:
         steps.append({
             "step": step, "rule": decision.rule_index, "lead": decision.lead, "sigmas": decision.sigmas.reshape(-1).tolist(),
             "fallback": decision.fallback, "native_hw": list(native_hw), "run_hw": list(run_hw),
+            "resampled": int(decision.resampled),
         })  # fmt: skip
+        if seen is not None and "backend" not in seen:
+            seen["backend"] = dist.get_backend() if dist.is_initialized() else None
         return on_step(self, step, decision, native_hw, run_hw, *rest, **kw)
 
     DownscaleRun.on_step = record
+    if seen is not None:
+        install, metadata = DownscaleRun.install_save_and_end, DownscaleRun.metadata
+        seen.update(networks=[], metadata_calls=0)
+
+        def install_save_and_end(self, network, *args, **kwargs):
+            seen["networks"].append(network)
+            return install(self, network, *args, **kwargs)
+
+        def counted_metadata(self, *args, **kwargs):
+            seen["metadata_calls"] += 1
+            return metadata(self, *args, **kwargs)
+
+        DownscaleRun.install_save_and_end, DownscaleRun.metadata = install_save_and_end, counted_metadata
     return steps, runs
 
 
@@ -542,17 +664,19 @@ def first_match(sigma: float, routes) -> int:
     return -1
 
 
-def check_grids(steps: list, frames: int, arch: str) -> None:
+def check_grids(steps: list, frames: int, arch: str, inputs: list | None = None) -> None:
     """Each forward ran the DiT at its step's grid: Wan's patch embedding sees (1, 16, F, h, w) per sample, F the
-    clip's latent frames; Qwen-Image's img_in sees (B, h/2 · w/2, 64) packed tokens."""
+    clip's latent frames; Qwen-Image's img_in sees (B, h/2 · w/2, 64) packed tokens. ``inputs``: the patch embedding's
+    inputs (default: this process's ``DIT_INPUTS``)."""
+    inputs = [tuple(shape) for shape in (DIT_INPUTS if inputs is None else inputs)]
     expected = []
     for s in steps:
         h, w = s["run_hw"]
         batch = len(s["sigmas"])
         expected += [(1, 16, frames, h, w)] * batch if arch == "wan" else [(batch, (h // 2) * (w // 2), 64)]
         assert (s["rule"] >= 0) == (s["run_hw"] != s["native_hw"]), s
-    assert len(DIT_INPUTS) == len(expected), (len(DIT_INPUTS), len(expected))
-    wrong = [(i, seen, want) for i, (seen, want) in enumerate(zip(DIT_INPUTS, expected, strict=True)) if seen != want]
+    assert len(inputs) == len(expected), (len(inputs), len(expected))
+    wrong = [(i, seen, want) for i, (seen, want) in enumerate(zip(inputs, expected, strict=True)) if seen != want]
     assert not wrong, wrong[:5]
 
 
@@ -579,10 +703,10 @@ def check_lora(lora: Path, setup: dict) -> dict:
     return {"tensors": len(weights), "modules": len(network.unet_loras), "trained": trained_modules, "merged": len(moved)}
 
 
-def check_experts(steps: list, experts: dict) -> None:
+def check_experts(steps: list, experts: dict, weights: list | None = None) -> None:
     """Wan 2.2: each forward ran the expert its own σ names against timestep_boundary (the host's t = 1000·σ + 1),
     a routed one included (the plugin replays σ and sets the trainer's next-expert flag from it)."""
-    for step, weight in zip(steps, DIT_WEIGHTS, strict=True):
+    for step, weight in zip(steps, DIT_WEIGHTS if weights is None else weights, strict=True):
         t = step["sigmas"][0] * 1000.0 + 1.0
         assert weight in (experts["low"], experts["high"]), weight
         step["expert"] = "high" if weight == experts["high"] else "low"
@@ -592,16 +716,24 @@ def check_experts(steps: list, experts: dict) -> None:
 
 def main(name: str, work: Path, *train_argv: str) -> None:
     arch = ARCHS[name]
+    processes = int(os.environ.get("E2E_PROCESSES", 2 if name == "wan_ranks" else 1))
+    if processes > 1 and name not in MULTI:
+        raise SystemExit(f"E2E_PROCESSES={processes}: a multi-process launch runs {sorted(MULTI)} only, not {name}")
+    if processes < 2 and name == "wan_ranks":
+        raise SystemExit("wan_ranks is a multi-process run: E2E_PROCESSES must be 2 or more")
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     torch.set_num_threads(1)
     setup = SETUPS[name](work, Path(os.environ["HF_HUB_CACHE"]))
     for script, argv in setup["caches"]:
         run_script(script, argv)
-    cached = sorted(p.name for p in (work / "cache").iterdir())
-    assert len(cached) == 2 * len(SIZES), cached  # one latent and one text-encoder cache per item
+    cached = sorted(p.name for folder in setup["cache_dirs"] for p in folder.iterdir())
+    assert len(cached) == 2 * setup["items"], cached  # one latent and one text-encoder cache per item
+    if processes > 1:
+        return main_ranks(name, work, setup, processes, train_argv)
     DIT_INPUTS.clear()
     DIT_WEIGHTS.clear()
+    DIT_TIMESTEPS.clear()
     steps, runs = recorder()
     run_script(setup["train"], ["--config_file", str(setup["config"]), *train_argv])
     assert len(runs) == 1, runs
@@ -649,7 +781,167 @@ def main(name: str, work: Path, *train_argv: str) -> None:
     print("E2E OK")
 
 
+# ---- several processes -----------------------------------------------------------------------------------------------
+
+LAUNCH_TIMEOUT = int(os.environ.get("E2E_LAUNCH_TIMEOUT", 420))  # s; a hung collective ends the launch here
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_command(name: str, work: Path, processes: int, train_argv: Sequence[str]) -> list[str]:
+    """accelerate's launcher for ``processes`` CPU ranks on this machine. ``--num_processes N`` alone (or with
+    ``--cpu``) takes accelerate's simple launcher, which starts one process; ``--multi_gpu`` takes torchrun's, which
+    starts N, and each rank's Accelerator (ACCELERATE_USE_CPU, no visible GPU) then runs MULTI_CPU on gloo."""
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+        "--num_cpu_threads_per_process", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+        os.path.abspath(__file__), "--rank", name, str(work), *train_argv,
+    ]  # fmt: skip
+
+
+def log_tails(work: Path, processes: int, chars: int = 6000) -> str:
+    paths = [work / "launch.log", *(work / f"rank{r}.log" for r in range(processes))]
+    return "\n".join(f"---- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in paths if p.exists())
+
+
+def printed(text: str) -> dict:
+    """The plugin's start banner and end summary in one rank's output (printed, or logged after a logger's prefix):
+    the banner's head lines, and each summary block (its head line and the indented lines that follow it)."""
+    import re
+
+    lines = text.splitlines()
+    banners = [line for line in lines if re.search(r"(^|:)downscale_plugin \S+: \w+ \(.*process\(es\)", line)]
+    summaries = []
+    for i, line in enumerate(lines):
+        if re.search(r"(^|:)downscale: \d+ train forwards", line):
+            block = [line]
+            for more in lines[i + 1 :]:
+                if not more.startswith("  "):
+                    break
+                block.append(more)
+            summaries.append("\n".join(block))
+    return {"banners": banners, "summaries": summaries}
+
+
+def main_ranks(name: str, work: Path, setup: dict, processes: int, train_argv: Sequence[str]) -> None:
+    """Launch the training script as ``processes`` CPU ranks (each ``--rank`` below), then check and record what each
+    rank recorded, the saved LoRA and what each rank printed (``record.json``: ``ranks``, one entry per rank)."""
+    import signal
+    import subprocess
+
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    with open(work / "launch.log", "w") as log:
+        proc = subprocess.Popen(
+            launch_command(name, work, processes, train_argv), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired as late:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks (their own session)
+            proc.wait()
+            tails = log_tails(work, processes)
+            raise AssertionError(f"the {processes}-process launch ran past {LAUNCH_TIMEOUT} s (hung?)\n{tails}") from late
+    assert code == 0, f"the launch exited {code}\n{log_tails(work, processes)}"
+    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(processes)]
+    arch = ARCHS[name]
+    for r, rank in enumerate(ranks):
+        assert rank["rank"] == r and rank["world_size"] == processes, (r, rank["rank"], rank["world_size"])
+        assert len(rank["steps"]) == rank["forwards"], (r, len(rank["steps"]), rank["forwards"])
+        check_grids(rank["steps"], setup["frames"], arch, rank["dit_inputs"])
+        if setup["experts"] is not None:
+            check_experts(rank["steps"], setup["experts"], rank["dit_weights"])
+        rank.update(printed((work / f"rank{r}.log").read_text(errors="replace")))
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    lora = work / "out" / "lora.safetensors"
+    with safe_open(str(lora), "pt") as f:
+        meta = {k: v for k, v in (f.metadata() or {}).items() if k.startswith("ss_")}
+    counts = json.loads(meta["ss_downscale_counts"])
+    forwards = sum(rank["forwards"] for rank in ranks)
+    assert meta["ss_network_module"] == "downscale_plugin" and meta["ss_downscale_inner"] == setup["inner"], meta
+    assert meta["ss_downscale_arch"] == arch and counts["forwards"] == forwards, (counts, forwards)
+    saved = {k: float(v.double().sum()) for k, v in load_file(str(lora)).items()}
+    import musubi_tuner
+
+    sys.path.append(os.path.dirname(musubi_tuner.__file__))  # its networks package, as the trainer's _build_network has it
+    record = {
+        "arch": arch, "setup": name, "processes": processes, "frames": setup["frames"], "experts": setup["experts"],
+        "ranks": ranks, "metadata": {k: v for k, v in meta.items() if k.startswith("ss_downscale")},
+        "saved_sums": saved, "outputs": sorted(p.name for p in (work / "out").iterdir()), "lora": check_lora(lora, setup),
+    }  # fmt: skip
+    (work / "record.json").write_text(json.dumps(record, indent=1))
+    disagreed = ranks[0]["totals"]["disagreed"]
+    print(f"{name}: {processes} processes × {ranks[0]['forwards']} forwards; ranks disagreed on {disagreed:.0f}; LoRA {record['lora']}")
+    print("E2E OK")
+
+
+def frozen_modules_unwrapped() -> None:
+    """accelerate's MULTI_CPU ``prepare_model`` wraps every model in DDP, which refuses one without a trainable
+    parameter ("DistributedDataParallel is not needed when a module doesn't have any parameter that requires a
+    gradient"): the trainer's frozen DiT (``accelerator.prepare(transformer)``, training/trainer_base.py). Its
+    multi-GPU branch leaves such a model unwrapped; this gives the CPU ranks that branch's behaviour."""
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    real = Accelerator.prepare_model
+
+    @functools.wraps(real)
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        frozen = not any(p.requires_grad for p in model.parameters())
+        if self.distributed_type == DistributedType.MULTI_CPU and frozen:
+            evaluation_mode = True  # mixed precision and placement as usual, no DDP
+        return real(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+
+    Accelerator.prepare_model = prepare_model
+
+
+def rank_main(name: str, work: Path, *train_argv: str) -> None:
+    """One rank of ``main_ranks``' launch: the loaders' shrinks and the recorders (nothing written but this rank's
+    files), the training script with this rank's own ``--seed``, and ``WORK/rank{R}.json``; its output goes to
+    ``WORK/rank{R}.log``."""
+    rank = int(os.environ["RANK"])
+    log = open(work / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115 (the process's stdout and stderr until it exits)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    torch.set_num_threads(1)
+    setup = SETUPS[name](work, Path(os.environ["HF_HUB_CACHE"]), write=False)
+    frozen_modules_unwrapped()
+    seen: dict = {}
+    steps, runs = recorder(seen)
+    run_script(setup["train"], ["--config_file", str(setup["config"]), "--seed", str(RANKS["seed"] + rank), *train_argv])
+    assert len(runs) == 1 and len(seen["networks"]) == 1, (runs, seen)
+    run, network = runs[0], seen["networks"][0]
+    plan = plan_figures(run.plan, steps)["buckets"] if run.plan is not None else None  # the main process's only
+    local, totals = run.accounting, run.totals
+    record = {
+        "rank": run.rank, "world_size": run.world_size, "own_seed": RANKS["seed"] + rank, "seed": run.seed,
+        "backend": seen["backend"], "distributed_type": str(run.accelerator.distributed_type),
+        "forwards": STEPS * int(run.accelerator.gradient_accumulation_steps),
+        "routes": [r.label for r in run.cfg.routes], "sigma_windows": [[r.sigma_min, r.sigma_max] for r in run.cfg.routes],
+        "steps": steps, "dit_inputs": DIT_INPUTS, "dit_weights": DIT_WEIGHTS, "dit_timesteps": DIT_TIMESTEPS,
+        "local": {**local.counts.state(), "hist_run": local.hist_run, "hist_native": local.hist_native},
+        "totals": {
+            **totals.counts.state(), "hist_run": totals.hist_run, "hist_native": totals.hist_native,
+            "compared": totals.compared, "disagreed": totals.disagreed, "summary": totals.summary_text(),
+        },
+        "metadata_calls": seen["metadata_calls"], "plan_buckets": plan,
+        "weights": {k: float(v.detach().double().sum()) for k, v in network.state_dict().items()},
+    }  # fmt: skip
+    (work / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
+
+
 if __name__ == "__main__":
+    ranked = sys.argv[1] == "--rank"  # a rank of main_ranks' launch: --rank NAME WORK [TRAINING ARGS...]
+    if ranked:
+        del sys.argv[1]
     work_dir = Path(sys.argv[2]).resolve()
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ["HF_HUB_CACHE"] = str(work_dir / "hub")  # read when huggingface_hub is first imported (below)
@@ -657,4 +949,4 @@ if __name__ == "__main__":
     if os.environ.get("MUSUBI_DIR"):
         sys.path.insert(0, os.path.join(os.environ["MUSUBI_DIR"], "src"))
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # sd_scripts_e2e's tokenizer helper
-    main(sys.argv[1], work_dir, *sys.argv[3:])
+    (rank_main if ranked else main)(sys.argv[1], work_dir, *sys.argv[3:])

@@ -24,7 +24,7 @@ from typing import Any
 from .arch import ARCH_NAMES
 from .config import ConfigError, DownscaleConfig, format_problems, load_config, read_plugin_toml
 from .plan import Sampler, format_plan, plan_table
-from .text import ROUTE_HEADER, route_rows
+from .text import ROUTE_HEADER, fasterdit_text, route_rows
 
 
 @dataclass(frozen=True)
@@ -243,10 +243,7 @@ def _run_check(args: argparse.Namespace) -> int:
         f"  enable {str(cfg.enable).lower()}, gate {cfg.gate}, seed {seed}, max_tries {cfg.max_tries}, "
         f"tier_tolerance {cfg.tier_tolerance:g}, arch {cfg.arch or 'auto'}, inner {cfg.inner or 'auto'}"
     )
-    print(
-        f"  direction_loss_weight {cfg.fasterdit.direction_loss_weight:g}, direction_loss_only_routed {str(cfg.fasterdit.direction_loss_only_routed).lower()}, "
-        f"sigma_policy {cfg.fasterdit.sigma_policy}, positions {cfg.fasterdit.positions}"
-    )
+    print(f"  {fasterdit_text(cfg.fasterdit)}")
     if cfg.mode == "map":
         print(
             f"  mode map: map_out {cfg.map.out}, after_map {cfg.after_map}, ratios {', '.join(f'{r:g}' for r in cfg.map.ratios)}, "

@@ -333,7 +333,7 @@ def test_check_a_musubi_training_toml(tmp_path, capsys):
         timestep_sampling = "flux_shfit"
         [plugins.downscale]
         arch = "flux"
-        sigma_policy = "snr_match"
+        positions = "interpolate"
         [[plugins.downscale.routes]]
         scale = 0.75
         sigma_min = 0.9
@@ -347,7 +347,7 @@ def test_check_a_musubi_training_toml(tmp_path, capsys):
     assert code == 2
     assert "timestep_sampling: 'flux_shfit' is not one of musubi-tuner's samplers (allowed: sigma, uniform" in err
     assert "arch: 'flux' is not trained by musubi-tuner (allowed: wan," in err
-    assert "sigma_policy: not available on musubi-tuner yet" in err
+    assert "positions: 'interpolate' is not available on musubi-tuner (allowed: 'plain')" in err
     code, _, err = _run(capsys, "check", "--config_file", fixed)  # sd-scripts reads the same TOML its own way
     assert code == 0, err
 

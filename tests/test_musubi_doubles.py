@@ -264,7 +264,7 @@ def test_the_grid_law_is_the_hosts_scheduler_draw():
         ("WanNetworkTrainer", ["--task", "i2v-14B"], ALL_ROUTED, "image-to-video"),
         ("WanNetworkTrainer", ["--task", "t2v-A14B", "--dit_high_noise", "h", "--batch_size", "2"], ALL_ROUTED, "one expert's side"),
         ("QwenImageNetworkTrainer", [], {"mode": "map", "map_out": "m", "map_reenc": True}, r"map_reenc: the VAE arms are not supported"),
-        ("QwenImageNetworkTrainer", [], {**ALL_ROUTED, "sigma_policy": "res_shift"}, "sigma_policy"),
+        ("QwenImageNetworkTrainer", [], {**ALL_ROUTED, "positions": "interpolate"}, "positions: 'interpolate' is not available"),
         ("QwenImageNetworkTrainer", [], {**ALL_ROUTED, "arch": "wan"}, "the config says 'wan'"),
     ],
 )

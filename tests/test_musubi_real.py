@@ -181,6 +181,37 @@ def test_a_run_whose_routes_never_fire_is_bitwise_the_real_hosts(musubi, arch, t
     assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
 
 
+@pytest.mark.parametrize("arch", list(ARGV))
+def test_fasterdit_options_in_the_real_step(musubi, arch, tmp_path):
+    """``direction_loss_weight`` and ``sigma_policy = "res_shift"`` through the real ``process_batch`` → ``call_dit`` →
+    ``compute_loss``: every step's loss is the MSE of its prediction and target + λ·mean(1 − cos over channels), and a
+    routed step's timesteps are 1000·shift(σ drawn, k = ½) + 1 (4 × 4 of 8 × 8 latents: a quarter of the tokens)."""
+    from downscale_plugin.fasterdit.policies import shift_sigma
+
+    lam = 0.5
+    args = ("ds_routes=x0.5@0.5-", f"ds_direction_loss_weight={lam}", "ds_sigma_policy=res_shift")
+    setup = Setup(musubi, arch, tmp_path, *ARGV[arch], network_args=args)
+    seen, call_dit = [], setup.trainer.call_dit
+
+    def recording(*args, **kwargs):
+        out = call_dit(*args, **kwargs)
+        seen.append((out.pred.detach().double(), out.target.detach().double(), args[7].detach(), setup.network.downscale_run.hook.last))
+        return out
+
+    setup.trainer.call_dit = recording
+    losses = setup.steps(6)
+    routed = [decision.routed for *_, decision in seen]
+    assert len(seen) == 6 and any(routed) and not all(routed)
+    for (pred, target, timesteps, decision), loss in zip(seen, losses, strict=True):
+        cos = (pred * target).sum(1) / (pred.norm(dim=1).clamp_min(1e-8) * target.norm(dim=1).clamp_min(1e-8))  # Wan's head starts at 0
+        assert loss == pytest.approx(float((pred - target).pow(2).mean() + lam * (1 - cos).mean()), rel=1e-5)
+        if decision.routed:
+            expected = shift_sigma(decision.sigmas, 0.5).float().double() * 1000 + 1
+            torch.testing.assert_close(timesteps.double(), expected, atol=1e-3, rtol=0)
+    run = setup.network.downscale_run
+    assert run.accounting.counts.sigma_run < run.accounting.counts.sigma_drawn
+
+
 def test_wan22_two_experts_each_step_runs_the_expert_its_sigma_names(musubi, tmp_path):
     argv = ("--task", "t2v-A14B", "--dit_high_noise", "high.safetensors", "--timestep_sampling", "uniform")
     setup = Setup(musubi, "wan", tmp_path, *argv, network_args=("ds_routes=x0.5@0.9-",))

@@ -26,7 +26,9 @@ from collections.abc import Callable
 
 import torch
 
+from ..arch import ArchSpec
 from ..config import SIGMA_POLICIES as POLICIES
+from ..grid import tokens
 from .stats import Moments
 
 
@@ -91,3 +93,21 @@ class RunningStd:
         key = (tuple(native.shape[-2:]), tuple(small.shape[-2:]))
         big, little = self._seen.setdefault(key, (Moments(), Moments()))
         return big.add(native).std, little.add(small).std
+
+
+class RoutedSigmas:
+    """The σ a routed training step runs at under one policy, for a host's step hook: the policy at the step's
+    own token counts; ``snr_match`` with the stds of the step's native latents and their small copies,
+    pooled over the run's routed steps so far (:class:`RunningStd`, per rank)."""
+
+    def __init__(self, name: str):
+        self.name = name
+        self.stds = RunningStd() if name == "snr_match" else None
+
+    def __call__(self, sigmas: torch.Tensor, native: torch.Tensor, small: torch.Tensor, arch: ArchSpec) -> torch.Tensor:
+        """σ' for a step routed from ``native`` to ``small`` latents; ``sigmas`` itself (the same object) when kept."""
+        if self.name == "keep":
+            return sigmas
+        stds = self.stds.update(native, small) if self.stds is not None else (None, None)
+        policy = make_policy(self.name, tokens(tuple(native.shape[-2:]), arch), tokens(tuple(small.shape[-2:]), arch), *stds)
+        return policy(sigmas)

@@ -4,7 +4,8 @@
 (``get_noisy_model_input_and_timesteps``, the flow branch for ``uniform``/``sigmoid``/``shift``/
 ``flux_shift``/``flux2_shift``/``qwen_shift``/``logsnr`` and the scheduler-grid branch, with
 ``--min_timestep``/``--max_timestep``, ``--preserve_distribution_shape`` and timestep buckets, in the
-host's order of RNG use), ``process_batch`` → ``call_dit`` → ``compute_loss``, and ``train``'s call
+host's order of RNG use), ``process_batch`` → ``call_dit`` → ``compute_loss`` (the elementwise
+``torch.nn.functional.mse_loss`` × ``compute_loss_weighting_for_sd3``, then the mean), and ``train``'s call
 order and loop arithmetic: ``_build_network`` (merging ``--base_weights`` through ``create_arch_network_from_weights``; with
 ``self``, ``args``, ``accelerator``,
 ``weight_dtype`` in its frame, called from ``train`` holding ``train_dataset_group`` and
@@ -73,19 +74,39 @@ def compute_density_for_timestep_sampling(weighting_scheme, batch_size, logit_me
 
 
 def get_sigmas(noise_scheduler, timesteps, device, n_dim=4, dtype=torch.float32):
+    """training/timesteps.py: a timestep off the scheduler's grid (the flow branch's 1000·σ + 1) takes the nearest one."""
     sigmas = noise_scheduler.sigmas.to(device=device, dtype=dtype)
     schedule_timesteps = noise_scheduler.timesteps.to(device)
-    step_indices = [(schedule_timesteps == t).nonzero().item() for t in timesteps.to(device)]
+    timesteps = timesteps.to(device)
+    if any([(schedule_timesteps == t).sum() == 0 for t in timesteps]):
+        step_indices = [torch.argmin(torch.abs(schedule_timesteps - t)).item() for t in timesteps]
+    else:
+        step_indices = [(schedule_timesteps == t).nonzero().item() for t in timesteps]
     sigma = sigmas[step_indices].flatten()
     while len(sigma.shape) < n_dim:
         sigma = sigma.unsqueeze(-1)
     return sigma
 
 
+def compute_loss_weighting_for_sd3(weighting_scheme: str, noise_scheduler, timesteps, device, dtype):
+    """training/timesteps.py: ``sigma_sqrt`` and ``cosmap`` weight by the scheduler-grid σ of each timestep (B,1,1,1,1); else None."""
+    if weighting_scheme == "sigma_sqrt" or weighting_scheme == "cosmap":
+        sigmas = get_sigmas(noise_scheduler, timesteps, device, n_dim=5, dtype=dtype)
+        if weighting_scheme == "sigma_sqrt":
+            weighting = (sigmas**-2.0).float()
+        else:
+            bot = 1 - 2 * sigmas + 2 * sigmas**2
+            weighting = 2 / (math.pi * bot)
+    else:
+        weighting = None
+    return weighting
+
+
 @dataclass
 class DiTOutput:
     pred: torch.Tensor
     target: torch.Tensor
+    extra: dict = field(default_factory=dict)
 
 
 class _Handle:
@@ -447,7 +468,10 @@ class NetworkTrainer:
         return self.compute_loss(args, output, timesteps, noise_scheduler, dit_dtype, network_dtype, global_step)
 
     def compute_loss(self, args, output, timesteps, noise_scheduler, dit_dtype, network_dtype, global_step):
+        weighting = compute_loss_weighting_for_sd3(args.weighting_scheme, noise_scheduler, timesteps, timesteps.device, dit_dtype)
         loss = torch.nn.functional.mse_loss(output.pred.to(network_dtype), output.target, reduction="none")
+        if weighting is not None:
+            loss = loss * weighting
         return loss.mean(), {}
 
     def generate_step_logs(self, args, current_loss, avr_loss, lr_scheduler, lr_descriptions, optimizer=None, *rest):

@@ -48,7 +48,6 @@ def probe_grid(probe: Mapping[str, Any], vae_factor: int) -> tuple[int, int]:
     raise ValueError("probe: neither 'latents' nor 'images' in the batch")
 
 
-
 class ProbeBackend:
     """:class:`~downscale_plugin.mapping.arms.MapBackend` over a running kohya trainer (``mode = "map"``, ``"auto"``).
 

@@ -37,7 +37,7 @@ from ...flops import BUILDERS, arch_flops
 from ...plan import format_plan, plan_table
 from ...rng import accelerator_devices
 from ...router import RouteDecision, Router
-from ...text import route_rows
+from ...text import fasterdit_text, route_rows
 from ..kohya.conventions import plugin_config
 from ..kohya.run import COUNTS_FILE, DownscaleRun, Routing, shared_seed, show, version
 from .buckets import MusubiBuckets, musubi_buckets
@@ -121,14 +121,19 @@ def _forwards(args: Any) -> int:
 
 
 def refuse_unsupported(cfg: Any) -> None:
-    """Features whose host handles this package does not provide: refused by key, not silently ignored."""
-    problems = []
-    defaults = FasterDitConfig()
-    for key in ("direction_loss_weight", "direction_loss_only_routed", "sigma_policy", "positions"):
-        if getattr(cfg.fasterdit, key) != getattr(defaults, key):
-            problems.append(f"{key}: not available on musubi-tuner yet (allowed: {getattr(defaults, key)!r})")
-    if problems:
-        raise HostError("; ".join(problems))
+    """Features whose host handles this package does not provide: refused by key, not silently ignored.
+
+    ``positions = "interpolate"``: every supported DiT builds its RoPE from the latent shape, and Wan
+    (``freqs_fhw``), Qwen-Image (``rope_cache``) and HunyuanVideo (``pos_embed_cache``) cache it keyed by the
+    token grid alone, so a routed step's interpolated positions would be served to native buckets of that grid;
+    FLUX.2's ``prc_img`` ids are integers. None has a position handle the plugin scales (``arch.ArchSpec.positions``)."""
+    plain = FasterDitConfig().positions
+    if cfg.fasterdit.positions != plain:
+        raise HostError(
+            f"positions: {cfg.fasterdit.positions!r} is not available on musubi-tuner (allowed: {plain!r}): its DiTs build RoPE "
+            "from the latent shape, cached per token grid (Wan's freqs_fhw, Qwen-Image's rope_cache, HunyuanVideo's "
+            "pos_embed_cache), with no position handle the plugin can scale for a routed step alone"
+        )
 
 
 def noise_scheduler(trainer: Any, args: Any) -> Any:
@@ -198,7 +203,9 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
 
         session = MusubiAutoSession(run, ctx, family, buckets, record)
         run.summary_extra.append(session.summary_lines)
-    hook = (session.make_hook if session else ProcessBatchHook)(run.router, family, rank=rank, world_size=world, on_step=run.on_step)
+    hook = (session.make_hook if session else ProcessBatchHook)(
+        run.router, family, fasterdit=cfg.fasterdit, rank=rank, world_size=world, on_step=run.on_step
+    )
     run.hook = hook
     hook.install(ctx.trainer, run.patches)
     if session:
@@ -222,7 +229,8 @@ def _banner(run: DownscaleRun, record: MusubiArch, ctx: TrainerContext, args: An
     )
     head = (
         f"downscale_plugin {version()}: {record.arch} ({type(ctx.trainer).__name__}), inner network {run.inner}, gate {cfg.gate}, "
-        f"seed {run.seed}, {run.world_size} process(es); σ from {_sampler_text(args)}; positions: {record.positions}{frames}"
+        f"seed {run.seed}, {run.world_size} process(es); σ from {_sampler_text(args)}; {fasterdit_text(cfg.fasterdit)}; "
+        f"the DiT's positions: {record.positions}{frames}"
     )
     rules = "\n".join(f"  {row}".rstrip() for row in route_rows(cfg.routes))
     if cfg.mode == "map":

@@ -37,9 +37,9 @@ import torch
 from ...arch import ArchSpec
 from ...config import DownscaleConfig, FasterDitConfig
 from ...fasterdit.direction_loss import direction_loss_scope
-from ...fasterdit.policies import RunningStd, make_policy
+from ...fasterdit.policies import RoutedSigmas
 from ...fasterdit.positions import positions_scope, require_interpolate
-from ...grid import area_downsample, tokens
+from ...grid import area_downsample
 from ...router import RouteDecision, Router
 from ...scope import Patches
 from .families import BoundSampler, SamplerFamily
@@ -124,7 +124,7 @@ class DownscaleHook:
         self.router = router
         self.family = family
         self.options = options if options is not None else StepOptions()
-        self.stds = RunningStd() if self.options.settings.sigma_policy == "snr_match" else None
+        self.policy = RoutedSigmas(self.options.settings.sigma_policy)
         self.rank = rank
         self.world_size = world_size
         self.on_step = on_step
@@ -230,13 +230,9 @@ class DownscaleHook:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """The σ a step runs at and their pool positions for the replay: the decision's own samples
         (by position, router.py ``sources``), or on a routed step the policy's map of them, registered."""
-        name = self.options.settings.sigma_policy
-        if name == "keep" or not decision.routed:
+        if not decision.routed:
             return decision.sigmas, decision.source_index
-        stds = self.stds.update(native, small) if self.stds is not None else (None, None)
-        arch = self.router.arch
-        policy = make_policy(name, tokens(tuple(native.shape[-2:]), arch), tokens(tuple(small.shape[-2:]), arch), *stds)
-        mapped = policy(decision.sigmas)
+        mapped = self.policy(decision.sigmas, native, small, self.router.arch)
         if mapped is decision.sigmas:
             return decision.sigmas, decision.source_index
         positions = self.family.remember(sampler, noise_scheduler, mapped)

@@ -24,7 +24,6 @@ collective would deadlock), and only the main process logs.
 
 from __future__ import annotations
 
-import dataclasses
 import logging
 from dataclasses import dataclass, field
 from typing import Any
@@ -37,7 +36,7 @@ from ...plan import Plan, format_plan, plan_table
 from ...rng import accelerator_devices, forked, seed_forked
 from ...router import RouteDecision, Router
 from ...scope import Patches
-from ...text import route_rows
+from ...text import fasterdit_text, route_rows
 from ..kohya.conventions import model_identity, plugin_config
 from ..kohya.run import DownscaleRun, Routing, shared_seed, show, version
 from .buckets import DatasetBuckets, dataset_buckets
@@ -209,9 +208,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     buckets = dataset_buckets(ctx.dataset_group, get_arch(arch).vae_factor)
     check_windows(cfg, model_identity(args), arch, buckets)
     resume = HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: run.host_state)
-    run = DownscaleRun(
-        cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets, resume), read_host_state
-    )
+    run = DownscaleRun(cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets, resume), read_host_state)
     router, plan = run.router, run.plan
     session = None
     if cfg.mode == "map":
@@ -239,8 +236,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     if rank == 0:
         head = (
             f"downscale_plugin {version()}: {arch} ({type(ctx.trainer).__name__}), inner network {inner}, gate {cfg.gate}, "
-            f"seed {seed}, {world} process(es); σ from {_sampler_text(record, args)}; "
-            + ", ".join(f"{key} {value}" for key, value in dataclasses.asdict(cfg.fasterdit).items())
+            f"seed {seed}, {world} process(es); σ from {_sampler_text(record, args)}; " + fasterdit_text(cfg.fasterdit)
         )
         resumed = banner_line(args)
         if resumed:

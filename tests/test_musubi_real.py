@@ -370,14 +370,23 @@ def _wan_cache(m: dict, root) -> str:
 
 
 def _train_wan(
-    m: dict, tmp_path, network_args: list[str], steps: int, *argv: str, module: str = "downscale_plugin", experts: list | None = None
+    m: dict,
+    tmp_path,
+    network_args: list[str],
+    steps: int,
+    *argv: str,
+    module: str = "downscale_plugin",
+    experts: list | None = None,
+    inputs: list | None = None,
 ) -> list[tuple[int, ...]]:
     """Wan's whole ``NetworkTrainer.train`` on the cached clips (only the checkpoint loader replaced: a tiny
     ``WanModel``, and with ``--dit_high_noise`` a second one as the inactive expert); returns the DiT's input shape
-    of every forward, in order; ``experts`` gets (high-noise expert ran, timestep) of every forward."""
+    of every forward, in order (also appended to ``inputs``, for a run that ends in SystemExit); ``experts`` gets
+    (high-noise expert ran, timestep) of every forward."""
     from safetensors.torch import save_file
 
-    host, inputs = m["wan"], []
+    host = m["wan"]
+    inputs = [] if inputs is None else inputs
 
     def tiny(seed: int = 0):
         torch.manual_seed(seed)
@@ -494,3 +503,39 @@ def test_real_wan22_certifier_draws_run_the_expert_their_sigma_names_and_leave_t
     assert all(high == (t / 1000.0 >= 0.875) for high, t in ours) and {high for high, _ in ours[15 : 15 + forced]} == {False, True}
     a, b = (load_file(str(tmp_path / run / "out" / "w.safetensors")) for run in ("plain", "plugin"))
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_the_real_wan_loop_maps_in_the_run_then_stops_without_weights(musubi, tmp_path):
+    """``mode = "map"``, ``after_map = "stop"`` in Wan's whole NetworkTrainer.train: the probes are in at batch 4 (batch 1);
+    before its step the map runs 4 probes × 3 σ bins × D = 2 × (native, native, route) forced draws through the real
+    ``process_batch`` (F = 2 latent frames kept at both grids), writes its files, and the script ends (SystemExit 0)
+    before batch 4's step, saving no weights."""
+    out = tmp_path / "map"
+    keys = ["ds_mode=map", f"ds_map_out={out}", "ds_after_map=stop", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
+            "ds_map_draws=2", "ds_map_images=4"]  # fmt: skip
+    inputs = []
+    with pytest.raises(SystemExit) as ended:
+        _train_wan(musubi, tmp_path, keys, 24, inputs=inputs)
+    assert ended.value.code == 0
+    assert len(inputs) == 3 + 4 * 3 * 2 * 3  # 3 native train steps, then the map's draws
+    assert set(inputs[:3]) == {(1, 16, 2, 8, 8)} and set(inputs[3:]) == {(1, 16, 2, 8, 8), (1, 16, 2, 4, 4)}
+    assert (out / "windows.toml").is_file() and 'windows_arch = "wan"' in (out / "windows.toml").read_text()
+    assert not (tmp_path / "out" / "w.safetensors").exists()
+
+
+def test_a_real_wan_map_without_windows_leaves_the_run_bitwise_the_hosts(musubi, tmp_path):
+    """``mode = "map"`` with ε ≈ 0 and ``after_map = "train"`` in the real Wan loop with --preserve_distribution_shape and
+    timestep buckets (every σ draw pops the trainer's bucket pool): the map's forced draws leave the run's RNG,
+    gradients, optimizer and bucket pool as they were: the saved LoRA is bitwise the plain networks.lora_wan run's."""
+    from safetensors.torch import load_file
+
+    out = tmp_path / "plugin" / "map"
+    keys = ["ds_mode=map", f"ds_map_out={out}", "ds_after_map=train", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
+            "ds_map_draws=2", "ds_map_images=4", "ds_map_margin=1e-9"]  # fmt: skip
+    argv = ("--num_timestep_buckets", "5", "--preserve_distribution_shape", "--min_timestep", "100")
+    plain = _train_wan(musubi, tmp_path / "plain", [], 12, *argv, module="networks.lora_wan")
+    plugin = _train_wan(musubi, tmp_path / "plugin", keys, 12, *argv)
+    assert len(plugin) == len(plain) + 4 * 3 * 2 * 3 and plugin[:3] + plugin[3 + 72 :] == plain
+    assert "[[routes]]" not in (out / "windows.toml").read_text()
+    theirs, ours = (load_file(str(tmp_path / run / "out" / "w.safetensors")) for run in ("plain", "plugin"))
+    assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import toml
 import torch
-from test_musubi_doubles import ARCHS, doubles, run, saved, trainers  # noqa: F401  # the doubles fixture
+from test_musubi_doubles import ARCHS, doubles, pretend_processes, run, saved, trainers  # noqa: F401  # the doubles fixture
 
 from downscale_plugin.config import load_config
 from downscale_plugin.hosts.musubi.facts import HostError
@@ -58,7 +58,7 @@ def test_budget_zero_is_the_plain_run_bitwise(tmp_path):
     [
         ("WanNetworkTrainer", [*WAN, "--batch_size", "2", "--items_per_bucket", "8", "--gradient_accumulation_steps", "2",
                                "--max_train_steps", "12"]),
-        ("WanNetworkTrainer", [*WAN, "--batch_size", "2", "--items_per_bucket", "8", "--num_timestep_buckets", "3",
+        ("WanNetworkTrainer", [*WAN, "--batch_size", "2", "--items_per_bucket", "8", "--num_timestep_buckets", "5",
                                "--preserve_distribution_shape", "--gradient_accumulation_steps", "2", "--max_train_steps", "12"]),
         ("QwenImageNetworkTrainer", [*ARCHS["qwen_image"][1], "--batch_size", "4", "--items_per_bucket", "8", "--max_train_steps", "24"]),
         ("WanNetworkTrainer", [*WAN, "--task", "t2v-A14B", "--dit_high_noise", "high.safetensors", "--timestep_sampling", "uniform",
@@ -174,15 +174,7 @@ def test_a_certification_the_run_cannot_do_fails_at_prepare_network(tmp_path, co
 
 
 def test_several_processes_are_refused_at_prepare_network(tmp_path, monkeypatch):
-    import musubi_trainer_base
-
-    init = musubi_trainer_base.TinyAccelerator.__init__
-
-    def two_processes(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.num_processes = 2
-
-    monkeypatch.setattr(musubi_trainer_base.TinyAccelerator, "__init__", two_processes)
+    pretend_processes(monkeypatch, 2)
     trainer = trainers().WanNetworkTrainer()
     with pytest.raises(HostError, match="2 processes: the auto runs on one process"):
         run("WanNetworkTrainer", *WAN, *ARGV, tmp_path=tmp_path, trainer=trainer, downscale=auto_config(tmp_path))

@@ -73,6 +73,19 @@ def run(name: str, *argv: str, tmp_path: Path, trainer=None, **kwargs):
     return trainer
 
 
+def pretend_processes(monkeypatch, n: int) -> None:
+    """Every TinyAccelerator made from now on says it is one of ``n`` processes (what prepare_network refuses)."""
+    import musubi_trainer_base
+
+    init = musubi_trainer_base.TinyAccelerator.__init__
+
+    def processes(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        self.num_processes = n
+
+    monkeypatch.setattr(musubi_trainer_base.TinyAccelerator, "__init__", processes)
+
+
 def saved(tmp_path: Path) -> tuple[dict, dict]:
     with safe_open(str(tmp_path / "last.safetensors"), "pt") as f:
         return {k: f.get_tensor(k) for k in f.keys()}, f.metadata()

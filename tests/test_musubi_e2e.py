@@ -56,14 +56,21 @@ def test_routed_steps_ran_the_dit_at_the_routes_small_grid(record):
     assert sorted({tuple(s["native_hw"]) for s in steps}) == sorted(map(tuple, BUCKETS))
     assert {s["rule"] for s in steps} == {0, 1, -1}
     for step, shape in zip(steps, record["dit_inputs"], strict=True):
-        h, w = step["run_hw"]
-        if step["rule"] >= 0:
-            assert step["run_hw"] == targets[tuple(step["native_hw"])][str(step["rule"])], step
-            assert h < step["native_hw"][0] and w < step["native_hw"][1], step
-        else:
-            assert step["run_hw"] == step["native_hw"], step
+        h, w = ran_at_its_grid(step, targets)
         expected = [1, 16, FRAMES[arch], h, w] if arch == "wan" else [1, (h // 2) * (w // 2), 64]
         assert shape == expected, (step, shape)
+
+
+def ran_at_its_grid(step: dict, targets: dict) -> tuple[int, int]:
+    """Assert a recorded step ran at its grid (a routed one at the plan's strictly smaller target for its bucket and
+    rule, a native one at the bucket); return that grid."""
+    h, w = step["run_hw"]
+    if step["rule"] >= 0:
+        assert step["run_hw"] == targets[tuple(step["native_hw"])][str(step["rule"])], step
+        assert h < step["native_hw"][0] and w < step["native_hw"][1], step
+    else:
+        assert step["run_hw"] == step["native_hw"], step
+    return h, w
 
 
 def test_routed_share_and_token_saving_are_plans(record):

@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import toml
 import torch
-from test_musubi_doubles import ARCHS, doubles, run, saved, trainers  # noqa: F401  # the doubles fixture
+from test_musubi_doubles import ARCHS, doubles, pretend_processes, run, saved, trainers  # noqa: F401  # the doubles fixture
 
 from downscale_plugin.bins import parse_bins
 from downscale_plugin.config import load_config
@@ -271,15 +271,7 @@ def test_every_problem_is_named_at_once(tmp_path):
 
 
 def test_several_processes_are_refused_at_prepare_network(tmp_path, monkeypatch):
-    import musubi_trainer_base
-
-    init = musubi_trainer_base.TinyAccelerator.__init__
-
-    def two_processes(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        self.num_processes = 2
-
-    monkeypatch.setattr(musubi_trainer_base.TinyAccelerator, "__init__", two_processes)
+    pretend_processes(monkeypatch, 2)
     trainer = trainers().WanNetworkTrainer()
     with pytest.raises(HostError, match=r"2 processes: the map runs on one process \(launch with --num_processes 1\)"):
         run("WanNetworkTrainer", *WAN, *BATCH2, tmp_path=tmp_path, trainer=trainer, downscale=map_config(tmp_path))

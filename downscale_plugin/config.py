@@ -219,6 +219,18 @@ def _latent_hw(text: str) -> tuple[int, int] | None:
     return (int(h), int(w)) if sep and h.isdigit() and w.isdigit() else None
 
 
+def vae_arm_problems(cfg: DownscaleConfig, arch: str, supported: Sequence[str]) -> list[str]:
+    """A map's VAE arms on an architecture whose VAE the host does not drive (``supported``: those it does)."""
+    if cfg.mode != "map" or arch in supported:
+        return []
+    allowed = ", ".join(supported) or "none on this host"
+    return [
+        f"{key}: the VAE arms are not supported for {arch} (supported: {allowed}); set {key} = false"
+        for key in VAE_ARM_KEYS
+        if getattr(cfg.map, key.removeprefix("map_"))
+    ]
+
+
 def foreign_windows(
     windows: WindowsProvenance, model: str | None, arch: str, latent_buckets: Sequence[tuple[int, int]], tier_tolerance: float
 ) -> list[str]:

@@ -352,6 +352,29 @@ def test_check_a_musubi_training_toml(tmp_path, capsys):
     assert code == 0, err
 
 
+def test_check_refuses_the_maps_vae_arms_as_a_musubi_run_does(tmp_path, capsys):
+    """musubi-tuner hands process_batch no VAE: the map's VAE arms are refused by check as at prepare_network."""
+    path = _write(
+        tmp_path,
+        "map.toml",
+        """
+        network_module = "downscale_plugin"
+        timestep_sampling = "shift"
+        [plugins.downscale]
+        mode = "map"
+        map_out = "map_out"
+        map_pixel = true
+        """,
+    )
+    code, _, err = _run(capsys, "check", "--host", "musubi", "--", "wan_train_network.py", "--config_file", path)
+    assert code == 2 and "map_pixel: the VAE arms are not supported for wan (supported: none on this host)" in err
+    code, _, err = _run(capsys, "check", "--host", "musubi", "--config_file", path)
+    assert code == 2 and "map_pixel: the VAE arms are not supported for any musubi-tuner architecture" in err
+    Path(path).write_text(Path(path).read_text().replace("map_pixel = true", ""))
+    code, _, err = _run(capsys, "check", "--host", "musubi", "--config_file", path)
+    assert code == 0, err
+
+
 def test_check_a_musubi_command_line(tmp_path, capsys):
     train = _write(tmp_path, "train.toml", QWEN.replace("[plugins.downscale]", '[plugins.downscale]\narch = "qwen_image"'))
     line = ("accelerate", "launch", "src/musubi_tuner/qwen_image_train_network.py", "--config_file", train)

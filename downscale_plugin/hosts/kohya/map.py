@@ -33,7 +33,7 @@ from typing import Any
 import toml
 
 from ...bins import parse_bins
-from ...config import VAE_ARM_KEYS, load_config
+from ...config import load_config, vae_arm_problems
 from ...mapping.arms import build_arms
 from ...plan import format_plan
 from ...rng import forked
@@ -74,13 +74,7 @@ class MapSession(ProbeSession):
 
         cfg, run = self.run.cfg, self.run
         problems = self.run_problems(cfg.map.ratios, "map_ratios", "map_images")
-        if run.arch not in self.vae_archs:
-            supported = ", ".join(self.vae_archs) or "none on this host"
-            problems += [
-                f"{key}: the VAE arms are not supported for {run.arch} (supported: {supported}); set {key} = false"
-                for key in VAE_ARM_KEYS
-                if getattr(cfg.map, key.removeprefix("map_"))
-            ]
+        problems += vae_arm_problems(cfg, run.arch, self.vae_archs)
         try:
             check_inputs(self.arms, self.bins, self.settings)
         except MapInputError as err:

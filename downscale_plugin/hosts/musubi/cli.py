@@ -29,7 +29,7 @@ import torch
 
 from ...arch import get_arch
 from ...cli import HostArgs, HostPart, PlanInputs, register_host
-from ...config import ConfigError, DownscaleConfig
+from ...config import ConfigError, DownscaleConfig, vae_arm_problems
 from ...plan import Sampler
 from ...sigma import ContinuousLaw
 from ..kohya.conventions import config_from_command_line, config_from_training_toml
@@ -107,6 +107,7 @@ def _run_problems(cfg: DownscaleConfig, values: Mapping[str, Any], script_arch: 
     except HostError as err:
         problems.append(str(err))
     archs = tuple(BY_ARCH)
+    problems += vae_arm_problems(cfg, script_arch or cfg.arch or "any musubi-tuner architecture", ())  # no VAE reaches process_batch
     if cfg.arch is not None and cfg.arch not in archs:
         problems.append(f"arch: {cfg.arch!r} is not trained by musubi-tuner (allowed: {', '.join(archs)})")
     elif cfg.arch is not None and script_arch is not None and cfg.arch != script_arch:

@@ -4,7 +4,8 @@ Item 2: over whole runs on the host doubles, one per sampler family (flux, sd3, 
 train mode (the start banner's plan Monte Carlo, the coupled gate's seeded draws) and in ``mode =
 "map"``, ``RngTrap`` (tests/rng_trap.py) sees no global seeding, no state set except ``rng.forked``
 putting back what it saved, and no ``seed_forked`` outside a fork covering its devices. A simulated
-CUDA device shows the forks cover the device the host draws on and seed no other. The trap itself
+CUDA device shows the forks cover the device the host draws on and seed no other, in training steps and in the
+in-run certifier's and map's draws over a kohya backend whose step draws on it. The trap itself
 is shown to catch the 783fcdb banner (``torch.manual_seed`` inside ``fork_rng(devices=[])``).
 
 Item 3: with the SD/SDXL noise options (multires noise, noise offset and its random strength and
@@ -307,6 +308,177 @@ def test_the_start_wiring_forks_the_accelerators_device(monkeypatch):
     run = seeded_run("flux", "--resolution", RES, "--max_train_steps", "1", downscale=SOME_ROUTED).last_run
     assert asked and all(device is run.accelerator.device for device in asked)
     assert run.network.downscale_run.router.devices == resolve(run.accelerator.device)
+
+
+# -- the in-run measurements (map, auto) on a host that draws on the simulated CUDA device ------------
+
+PROBE_BINS = "0,0.5,1"  # two σ bins, no σ = 1 endpoint
+
+
+def _device_normal(gen: FakeCudaGenerator, shape: tuple[int, ...]) -> torch.Tensor:
+    """Standard normals from a fake device's stream: what ``torch.randn_like`` of a tensor on that device draws."""
+    u = gen.draw(int(np.prod(shape))).clamp(1e-12, 1 - 1e-12)
+    return (torch.erfinv(2 * u - 1) * 2**0.5).float().view(shape)
+
+
+class FakeCudaProbeHost:
+    """A kohya trainer's step on a GPU, one probe → its loss, for the in-run measurements: σ drawn on the device
+    (``torch.rand((bsz,), device=device)``), the noise and the ip-noise ``torch.randn_like(latents)`` of latents on the
+    device (``torch.randn_like`` is patched to draw from the fake ``cuda:0``; the certifier's paired noise fills the
+    first one). The step hook's forcing (``ForcedSteps``) sets the arm's grid (the latents area-downsampled) and σ.
+    The "DiT" is a 1x1 conv, its weights the trainable adapter. ``entries``: per step, the ``cuda:0`` state it started
+    from, how many seeds ``cuda:0`` had had by then and the last one."""
+
+    def __init__(self, cuda0: FakeCudaGenerator, monkeypatch, images: int = 4):
+        from downscale_plugin.hosts.kohya.probes import ForcedSteps
+
+        gen = torch.Generator().manual_seed(21)
+        self.cuda0, self.hook, self.entries = cuda0, ForcedSteps(), []
+        self.dit = torch.nn.Conv2d(4, 4, 1)
+        with torch.no_grad():
+            for p in self.dit.parameters():
+                p.copy_(0.3 * torch.randn(p.shape, generator=gen))
+        self.probes = [{"latents": torch.randn(1, 4, 16, 16, generator=gen)} for _ in range(images)]
+        monkeypatch.setattr(torch, "randn_like", lambda x, *a, **k: _device_normal(cuda0, tuple(x.shape)).to(x.dtype))
+
+    def step(self, probe: dict) -> torch.Tensor:
+        from downscale_plugin.grid import area_downsample
+
+        self.entries.append((self.cuda0.get_state(), len(self.cuda0.seeds), self.cuda0.seeds[-1:]))
+        latents = probe["latents"]
+        sigma = self.cuda0.draw(latents.shape[0]).float()  # the host's σ draw, on the device
+        if self.hook.forced is not None:
+            target_hw, forced = self.hook.forced
+            latents = latents if target_hw is None else area_downsample(latents, target_hw)
+            sigma = torch.full_like(sigma, forced)
+        noise = torch.randn_like(latents)
+        xi = torch.randn_like(latents)  # ip-noise: sd-scripts' second randn_like, on the device
+        s = sigma.view(-1, 1, 1, 1)
+        noisy = (1 - s) * latents + s * (noise + 0.1 * xi)
+        return torch.nn.functional.mse_loss(self.dit(noisy), noise - latents)
+
+    def backend(self, out_dir, devices=None):
+        """The measurement's backend as the kohya session builds it for an accelerator on ``"cuda"`` (its devices
+        ``accelerator_devices(accelerator.device)``); with ``devices``, a ``ProbeBackend`` forking those instead."""
+        from downscale_plugin.hosts.kohya.backend import ProbeBackend
+        from downscale_plugin.hosts.kohya.probes import ForcedSteps, ProbeSession
+
+        if devices is not None:
+            return ProbeBackend(self.probes, self.step, self.hook.forcing, list(self.dit.parameters()), "flux", devices, {}, seed=5)
+
+        class Session(ProbeSession):
+            hook_class = ForcedSteps
+
+            def probe_step(self, arguments):
+                return arguments["step"]
+
+            def describe(self, arguments):
+                return {"model": "a 1x1 conv", "model_identity": None}
+
+        run = SimpleNamespace(cfg=SimpleNamespace(map=SimpleNamespace(out=str(out_dir))), arch="flux", seed=5)
+        ctx = SimpleNamespace(accelerator=SimpleNamespace(device=torch.device("cuda")))
+        session = Session(run, ctx, None, SimpleNamespace(batch_size=2), None, len(self.probes))
+        self.hook = session.make_hook()
+        session.probes = list(self.probes)
+        arguments = {"accelerator": SimpleNamespace(unwrap_model=lambda m: m), "network": self.dit, "step": self.step}
+        backend = session.backend(arguments)
+        assert session.devices == rng.accelerator_devices(torch.device("cuda")) and backend.rng_devices == session.devices
+        return backend
+
+
+def _certify_in_run(backend, out_dir) -> str:
+    """The auto session's certification (``certify_in_run``), one route, two bins, D = 2, looks at 2 and 4 probes:
+    its evidence and bounds, every float as its exact repr."""
+    from downscale_plugin.bins import parse_bins
+    from downscale_plugin.mapping.arms import latent_arm
+    from downscale_plugin.mapping.certify import CertifySettings
+    from downscale_plugin.mapping.in_run import certify_in_run
+    from downscale_plugin.mapping.sequential import Looks
+
+    settings = CertifySettings(margin=0.5, draws=2, looks=Looks(at=(2, 4)), budget=1000.0, seed=5, spot_checks=1)
+    bins = parse_bins(PROBE_BINS, endpoint=False)
+    done = certify_in_run(backend, [latent_arm(0.5)], bins, settings, lambda lo, hi: max(hi - lo, 0.0), "uniform σ", str(out_dir), "t")
+    assert all(len(t.values) >= 2 for t in done.result.tests) and {t.bin for t in done.result.tests} == {0, 1}  # evidence in both bins
+    return repr([(t.route, t.bin, t.images, t.values, t.bound, t.verdict) for t in done.result.tests])
+
+
+def _map_in_run(backend, out_dir) -> str:
+    """The map session's estimator (``run_map``, without the session's outer fork: each draw's own must restore),
+    two probes, two bins, D = 2: its cells, every float as its exact repr."""
+    from downscale_plugin.bins import parse_bins
+    from downscale_plugin.mapping.arms import build_arms
+    from downscale_plugin.mapping.estimator import MapSettings, run_map
+
+    settings = MapSettings(margin=0.5, draws=2, images=2, seed=5)
+    result = run_map(backend, build_arms([0.5]), parse_bins(PROBE_BINS, endpoint=False), settings, progress=False)
+    return repr(result.cells)
+
+
+MEASUREMENTS = {"certify": _certify_in_run, "map": _map_in_run}
+
+
+def _untouchable(gen: FakeCudaGenerator, monkeypatch) -> list[str]:
+    """Records every read or write of ``gen``'s state."""
+    touched: list[str] = []
+    get, put = gen.get_state, gen.set_state
+    monkeypatch.setattr(gen, "get_state", lambda: touched.append("get") or get())
+    monkeypatch.setattr(gen, "set_state", lambda state: touched.append("set") or put(state))
+    return touched
+
+
+def _advance_all(cuda0: FakeCudaGenerator) -> None:
+    """The run's own draws between two measurements: every global stream moves on."""
+    cuda0.draw(7)
+    torch.rand(3)
+    random.random()
+    np.random.rand()
+
+
+@pytest.mark.parametrize("measure", list(MEASUREMENTS))
+def test_in_run_measurements_fork_and_seed_the_cuda_device_the_host_draws_on(measure, fake_cuda, rng_trap, monkeypatch, tmp_path):
+    """``mode = "auto"``'s certifier and ``mode = "map"``'s estimator over a kohya backend whose step draws σ and noise on
+    ``cuda:0``: the run's streams (``cuda:0``, CPU, Python, NumPy) end where they were, each draw started from its own
+    seed on ``cuda:0``, the evidence is a function of the seed alone, and no other device is touched or reseeded."""
+    cuda0, cuda1 = fake_cuda.gens
+    touched = _untouchable(cuda1, monkeypatch)
+    host = FakeCudaProbeHost(cuda0, monkeypatch)
+    backend = host.backend(tmp_path)
+    assert backend.rng_devices == (torch.device("cuda", 0),)
+    cuda0.draw(3)  # the run is mid-stream on its device
+    before = (cuda0.get_state(), rng_states())
+    first = MEASUREMENTS[measure](backend, tmp_path)
+    assert same((cuda0.get_state(), rng_states()), before)  # (1) training continues as if nothing had run
+    steps = len(host.entries)
+    assert steps >= 16 and [n for _, n, _ in host.entries] == list(range(1, steps + 1))  # (2) one cuda:0 seed per draw ...
+    assert all(torch.equal(state, torch.tensor([0, last[0] & 0x7FFFFFFF])) for state, _, last in host.entries)  # ... just before it
+    assert len(set(cuda0.seeds)) > 1 and rng_trap.seeded == steps  # distinct per-draw seeds, each inside a fork covering cuda:0
+    assert rng_trap.restores >= 4 * steps  # every draw's fork put back the CPU, cuda:0, Python and NumPy as it saved them
+
+    _advance_all(cuda0)
+    before = (cuda0.get_state(), rng_states())
+    again = MEASUREMENTS[measure](backend, tmp_path)
+    assert again == first  # (2) the same seed, from other run states: the same evidence, bit for bit
+    assert same((cuda0.get_state(), rng_states()), before)
+    assert cuda0.seeds[:steps] == cuda0.seeds[steps:]  # the same seeds, in the same order
+
+    assert cuda1.seeds == [] and cuda1.draws == 0 and touched == [] and torch.equal(cuda1.state, torch.tensor([1, 0]))  # (3)
+    assert fake_cuda.seed_all == [] and rng_trap.violations == [], rng_trap.report()  # never manual_seed_all, nothing global
+
+
+@pytest.mark.parametrize("devices", [(), (torch.device("cuda", 1),)], ids=["cpu-only", "cuda1"])
+@pytest.mark.parametrize("measure", list(MEASUREMENTS))
+def test_a_measurement_backend_forking_the_wrong_devices_is_caught(measure, devices, fake_cuda, monkeypatch, tmp_path):
+    """The checks above can fail: a backend whose ``rng_devices`` miss the host's ``cuda:0`` (none, or another device)
+    lets the measurement's draws advance the run's device stream, unseeded, so its evidence follows the run's state."""
+    cuda0, cuda1 = fake_cuda.gens
+    host = FakeCudaProbeHost(cuda0, monkeypatch)
+    backend = host.backend(tmp_path, devices=devices)
+    before, cpu = cuda0.get_state(), rng_states()
+    first = MEASUREMENTS[measure](backend, tmp_path)
+    assert not torch.equal(cuda0.state, before) and cuda0.seeds == []  # cuda:0 moved on, never seeded
+    assert same(rng_states(), cpu)  # the CPU, Python and NumPy were forked: the miss is the device's alone
+    assert MEASUREMENTS[measure](backend, tmp_path) != first  # from where the first left cuda:0: other evidence
+    assert bool(cuda1.seeds) == bool(devices)  # the wrong device was the one seeded
 
 
 # -- item 3: SD/SDXL (and flow) noise options, bit for bit -------------------------------------------

@@ -1,7 +1,7 @@
 """The map backend inside a real kohya run (``mode = "map"``, ``"auto"``): the user's model, network and data.
 
 Probes are single samples cut from the run's own first batches (each host's session says how:
-``hosts/sd_scripts/map.py``, ``hosts/musubi/auto.py``), so every draw runs the trainer's own step:
+``hosts/sd_scripts/map.py``, ``hosts/musubi/probes.py``), so every draw runs the trainer's own step:
 latents, text conditioning, the host's noise, σ and target, and the host's loss with its weighting,
 masks and per-sample loss weights. The arm's grid and the map's σ reach the host through the
 plugin's step hook (a :class:`~.probes.ForcedSteps` hook): it area-downsamples the latents the host

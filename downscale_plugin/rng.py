@@ -15,13 +15,21 @@ So :func:`forked` saves and restores all of them, and :func:`seed_forked` seeds 
 generator and the devices that were forked, through the generator objects, never through a global
 seeding function. The plugin's own randomness (plan Monte Carlo, map jitter) uses private
 ``torch.Generator`` / ``numpy.random.Generator`` objects instead.
+
+Logging draws too: rich's console handler, which both kohya trainers install on the root logger,
+draws ``random.randint`` for every record it renders (its styles' link ids), so a plugin log line in
+the middle of a run would move Python's ``random`` and with it the host's later draws (sd-scripts'
+``--flip_aug``, caption shuffling and dropout on the main process). Every plugin module logs through
+:func:`plugin_logger`, whose records leave Python's ``random`` as they found it.
 """
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
+from typing import Any
 
 import numpy as np
 import torch
@@ -92,3 +100,20 @@ def seed_forked(value: int, devices: Sequence[torch.device] = ()) -> None:
             torch.xpu.default_generators[device.index or 0].manual_seed(value)
         else:
             raise ValueError(f"device {device}: cannot seed a {device.type!r} generator")
+
+
+class RandomKeepingLogger(logging.LoggerAdapter):
+    """A logger whose records leave Python's ``random`` as they found it, whatever the handlers draw."""
+
+    def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        state = random.getstate()
+        kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1  # the record names the plugin's caller, not this frame
+        try:
+            super().log(level, msg, *args, **kwargs)
+        finally:
+            random.setstate(state)
+
+
+def plugin_logger(name: str) -> RandomKeepingLogger:
+    """A plugin module's logger (``logging.getLogger(name)``, records keeping Python's ``random``)."""
+    return RandomKeepingLogger(logging.getLogger(name), {})

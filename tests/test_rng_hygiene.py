@@ -17,6 +17,8 @@ router leaves to the host is the host's own step bit for bit (``NativeStepCheck`
 
 from __future__ import annotations
 
+import inspect
+import logging
 import os
 import random
 import re
@@ -479,6 +481,72 @@ def test_a_measurement_backend_forking_the_wrong_devices_is_caught(measure, devi
     assert same(rng_states(), cpu)  # the CPU, Python and NumPy were forked: the miss is the device's alone
     assert MEASUREMENTS[measure](backend, tmp_path) != first  # from where the first left cuda:0: other evidence
     assert bool(cuda1.seeds) == bool(devices)  # the wrong device was the one seeded
+
+
+# -- log records: rich's console handler draws Python's random per record ------------------------------
+
+
+class DrawingConsole(logging.Handler):
+    """What rich's ``RichHandler`` (both kohya trainers' console) does to Python's ``random``: every record it renders
+    draws ``randint`` (``rich.style.Style``'s link ids for the record's path column). ``records``: (file, line) each."""
+
+    def __init__(self) -> None:
+        super().__init__(logging.INFO)
+        self.records: list[tuple[str, int]] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        random.randint(0, 999999)
+        self.records.append((record.pathname, record.lineno))
+
+
+@pytest.fixture
+def drawing_console():
+    """The root logger at INFO with a :class:`DrawingConsole`, as sd-scripts' ``setup_logging`` leaves it (with rich)."""
+    root, console = logging.getLogger(), DrawingConsole()
+    level = root.level
+    root.addHandler(console)
+    root.setLevel(logging.INFO)
+    yield console
+    root.removeHandler(console)
+    root.setLevel(level)
+
+
+def test_plugin_log_records_leave_pythons_random_as_they_found_it(drawing_console):
+    from downscale_plugin.hosts.kohya import run as kohya_run
+
+    state = random.getstate()
+    kohya_run.logger.info("downscale_plugin: a record %s", 1)
+    kohya_run.logger.warning("downscale_plugin: another")
+    assert random.getstate() == state and len(drawing_console.records) == 2
+    assert drawing_console.records[0] == (__file__, inspect.currentframe().f_lineno - 3)  # the caller, not rng.py
+    logging.getLogger("not.the.plugin").info("a host record")  # the check can fail: an ordinary logger's record draws
+    assert random.getstate() != state
+
+
+def test_every_plugin_module_logs_through_the_random_keeping_logger():
+    found = [
+        f"{path.relative_to(PLUGIN_DIR).as_posix()}:{number}: {line.strip()}"
+        for path in Path(PLUGIN_DIR).rglob("*.py")
+        if path.name != "rng.py" and not path.relative_to(PLUGIN_DIR).as_posix().startswith("lab/")
+        for number, line in enumerate(path.read_text().splitlines(), 1)
+        if re.search(r"logging\.(getLogger|info|warning|error|debug|exception|log)\(", line.split("#")[0])
+    ]
+    assert found == []
+
+
+def test_an_auto_run_that_opens_nothing_under_a_drawing_console_is_the_host_run_bit_for_bit(drawing_console, tmp_path):
+    """The certifier's log lines and the first step's resume line, rendered by a console that draws Python's random
+    (rich's, by default in sd-scripts), must leave the host's later Python draws (--flip_aug, caption shuffling) as
+    they would have been: the run ends with every global generator where the plain run's ends."""
+    downscale = {"mode": "auto", "map_out": str(tmp_path / "auto"), "map_ratios": [0.5], "map_bins": "0,0.5,1"}
+    downscale.update(certify_draws=2, certify_budget=0.5, map_margin=1e-9)
+    argv = ("--resolution", RES, "--train_batch_size", "4", "--max_train_steps", "24", "--seed", "4")
+    plain = seeded_run("flux", *argv, network_module=ARCHS["flux"][2]).last_run
+    plain_states, plain_weights, plain_records = rng_states(), _weights(plain), len(drawing_console.records)
+    run = seeded_run("flux", *argv, downscale=downscale).last_run
+    assert (tmp_path / "auto" / "certify.json").is_file() and len(drawing_console.records) > 2 * plain_records  # the plugin logged
+    assert run.losses == plain.losses and same(_weights(run), plain_weights)
+    assert same(rng_states(), plain_states)
 
 
 # -- item 3: SD/SDXL (and flow) noise options, bit for bit -------------------------------------------

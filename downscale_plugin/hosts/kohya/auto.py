@@ -27,7 +27,6 @@ assumes); a later run continues the evidence with ``certify_resume``.
 from __future__ import annotations
 
 import json
-import logging
 import math
 import time
 from typing import Any
@@ -39,11 +38,12 @@ from ...arch import get_arch
 from ...config import load_config
 from ...grid import target_grid
 from ...plan import format_plan
+from ...rng import plugin_logger
 from ...text import pct, route_rows
 from .probes import ProbeSession
 from .run import DownscaleRun
 
-logger = logging.getLogger(__name__)
+logger = plugin_logger(__name__)
 
 AUTO_PACKAGES = ("scipy", "tqdm")  # the confidence sequence's t quantiles; the certify CLI's progress bar module is shared
 MASS_SAMPLES = 8192  # host σ draws behind each bin's sampler mass (what a safe verdict is worth; not a bound)

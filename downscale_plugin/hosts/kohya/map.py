@@ -26,7 +26,6 @@ Timeline (one process; docs/FIDELITY.md has the method):
 from __future__ import annotations
 
 import json
-import logging
 import time
 from typing import Any
 
@@ -36,12 +35,12 @@ from ...bins import parse_bins
 from ...config import load_config, vae_arm_problems
 from ...mapping.arms import build_arms
 from ...plan import format_plan
-from ...rng import forked
+from ...rng import forked, plugin_logger
 from ...text import route_rows
 from .probes import ProbeSession
 from .run import DownscaleRun
 
-logger = logging.getLogger(__name__)
+logger = plugin_logger(__name__)
 
 MAP_PACKAGES = ("scipy", "matplotlib", "tqdm")  # the estimator's bound, the heatmap, the progress bar (imported on use)
 

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import importlib.util
 import inspect
-import logging
 import math
 import os
 import sys
@@ -27,14 +26,14 @@ import torch
 from ...arch import get_arch
 from ...config import load_config
 from ...grid import target_grid
-from ...rng import accelerator_devices
+from ...rng import accelerator_devices, plugin_logger
 from ...scope import Patches
 from ...text import route_rows
 from .backend import ProbeBackend
 from .conventions import file_identity
 from .run import DownscaleRun, version
 
-logger = logging.getLogger(__name__)
+logger = plugin_logger(__name__)
 
 
 class ForcedSteps:

@@ -23,10 +23,11 @@ from ... import __version__
 from ...accounting import Accounting, Counts, StepRecord
 from ...config import DownscaleConfig, RouteRule
 from ...plan import Plan
+from ...rng import plugin_logger
 from ...router import RouteDecision, Router
 from ...scope import Patches
 
-logger = logging.getLogger(__name__)
+logger = plugin_logger(__name__)
 
 COUNTS_FILE = "downscale_plugin_counts.json"  # beside the host's train_state.json in every --save_state dir
 
@@ -65,7 +66,7 @@ def show(text: str, what: str) -> None:
     printed to stdout and flushed instead, and the log gets one line pointing at it. Without a rich
     handler (``--console_log_simple``, ``--console_log_file``) the log takes the block itself.
     """
-    if not _wrapping_handler(logger):
+    if not _wrapping_handler(logger.logger):
         logger.info("%s", text)
         return
     sys.stderr.flush()

@@ -23,7 +23,6 @@ coins go on where the saved run stopped; T stays ``max_train_steps`` × accumula
 from __future__ import annotations
 
 import json
-import logging
 import os
 import sys
 from dataclasses import dataclass
@@ -35,7 +34,7 @@ from ...arch import get_arch
 from ...config import FasterDitConfig
 from ...flops import BUILDERS, arch_flops
 from ...plan import format_plan, plan_table
-from ...rng import accelerator_devices
+from ...rng import accelerator_devices, plugin_logger
 from ...router import RouteDecision, Router
 from ...text import fasterdit_text, route_rows
 from ..kohya.conventions import plugin_config
@@ -46,7 +45,7 @@ from .family import MusubiFamily, PlanSampler
 from .hook import ProcessBatchHook
 from .trainer import TrainerContext, check_methods, check_run, find_trainer
 
-logger = logging.getLogger(__name__)
+logger = plugin_logger(__name__)
 
 PLAN_MC_SAMPLES = 8192  # σ draws per bucket for the banner's predicted fractions where no exact law is known
 LOGS_METHOD = "generate_step_logs"

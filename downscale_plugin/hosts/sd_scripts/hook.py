@@ -26,7 +26,6 @@ run's record of patches (``scope.Patches``), which takes it off at the run's end
 from __future__ import annotations
 
 import inspect
-import logging
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
@@ -40,11 +39,12 @@ from ...fasterdit.direction_loss import direction_loss_scope
 from ...fasterdit.policies import RoutedSigmas
 from ...fasterdit.positions import positions_scope, require_interpolate
 from ...grid import area_downsample
+from ...rng import plugin_logger
 from ...router import RouteDecision, Router
 from ...scope import Patches
 from .families import BoundSampler, SamplerFamily
 
-logger = logging.getLogger(__name__)
+logger = plugin_logger(__name__)
 
 WRAPPED_METHODS = ("get_noise_pred_and_target", "generate_step_logs")
 LOSS_METHOD = "process_batch"  # wrapped only when direction_loss_weight > 0

@@ -36,13 +36,14 @@ T (for early/late spans) stays ``max_train_steps × A``; forwards past T are lat
 from __future__ import annotations
 
 import json
-import logging
 import math
 import os
 from dataclasses import dataclass
 from typing import Any
 
-logger = logging.getLogger(__name__)
+from ...rng import plugin_logger
+
+logger = plugin_logger(__name__)
 
 HOST_STATE_FILE = "train_state.json"  # written into the state dir by the host's save hook (train_network.py)
 

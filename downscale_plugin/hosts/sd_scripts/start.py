@@ -24,7 +24,6 @@ collective would deadlock), and only the main process logs.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,7 +32,7 @@ import torch
 from ...arch import get_arch
 from ...config import DownscaleConfig, foreign_windows
 from ...plan import Plan, format_plan, plan_table
-from ...rng import accelerator_devices, forked, seed_forked
+from ...rng import accelerator_devices, forked, plugin_logger, seed_forked
 from ...router import RouteDecision, Router
 from ...scope import Patches
 from ...text import fasterdit_text, route_rows
@@ -47,7 +46,7 @@ from .hook import DownscaleHook
 from .resume import HostResume, banner_line, read_host_state
 from .trainer import TrainerContext, detect_arch, find_trainer, make_family, step_options
 
-logger = logging.getLogger(__name__)
+logger = plugin_logger(__name__)
 
 # Explicit call points added by patches/sd-scripts-48d368fa-explicit-hook.patch (see patches/README.md).
 EXPLICIT_STEP_HOOK = "noise_pred_and_target_hook"

@@ -1,6 +1,7 @@
 """Run a real sd-scripts LoRA training script end to end with ``--network_module downscale_plugin``, offline.
 
-    python tests/sd_scripts_e2e.py {flux,sd3,anima} WORK_DIR [train|map-stop|map-train|auto]
+    python tests/sd_scripts_e2e.py {flux,sd3,anima} WORK_DIR [train|map-stop|map-train|auto|record ARGS...]
+    python tests/sd_scripts_e2e.py flux WORK_DIR ranks [ARGS...]
     (cwd: the sd-scripts checkout on sys.path)
 
 The script runs exactly as ``python flux_train_network.py --config_file train.toml`` does (``runpy``,
@@ -28,6 +29,27 @@ every train step's route decision in order, the saved LoRA's ``ss_downscale_*`` 
 accelerator's state hooks left at the end; the caller checks them (``E2E_IMAGES``, ``E2E_REPEATS``,
 ``E2E_STEPS`` and ``E2E_ROUTES`` set the dataset, ``max_train_steps`` and the plugin table). Prints
 ``E2E OK`` on success.
+
+``ranks`` runs the Flux training as several CPU processes (``E2E_PROCESSES``, 2 by default) on ``RANKS``' dataset
+(128² and 256² images, one dataset each, batch size 1), σ law (``flux_shift`` narrowed by ``sigmoid_scale``: the two
+buckets' route odds differ by much) and routes; arguments after it go to the script (``--gradient_accumulation_steps
+2``). This process writes the models, tokenizers, images and TOMLs, then launches the script through accelerate's
+own launcher, ``python -m accelerate.commands.launch --multi_gpu --num_processes N --num_cpu_threads_per_process 1
+... sd_scripts_e2e.py --rank flux WORK ...`` with ``ACCELERATE_USE_CPU=1`` and no visible GPU, so each rank's
+Accelerator runs MULTI_CPU on gloo (``--num_processes N`` without ``--multi_gpu`` takes accelerate's simple
+launcher: one process). Each rank installs the same loader replacements and recorders (every step's route
+decision with its native and run grid, every Flux forward's latent grid and time input, every ``save_weights``),
+trains with its own ``--seed`` (``RANKS["seed"]`` + rank, as an unseeded run draws one per process) and writes
+``WORK/rank{R}.json`` (also its own and the cross-rank counts, its final LoRA weights) and ``WORK/rank{R}.log``
+(its output). One shim, in the ranks only: accelerate's MULTI_CPU ``prepare_model`` wraps the trainer's frozen
+Flux in DDP, which refuses a model with no trainable parameter (``RuntimeError: DistributedDataParallel is not
+needed ...`` at ``accelerator.prepare(unet)``, train_network.py ``prepare_unet_with_accelerator``); the ranks get
+accelerate's multi-GPU behaviour for it, no DDP (``frozen_modules_unwrapped``; the LoRA network is still wrapped).
+sd-scripts' ``--ddp_timeout`` reaches the process group only with more than one CUDA device
+(``train_util.prepare_accelerator``), so a hung collective ends at ``E2E_LAUNCH_TIMEOUT`` here instead. This
+process then checks the saved LoRA (cross-rank ``forwards``, its load with the inner module) and writes
+``record.json`` with one entry per rank (and what each printed: the plugin's start banner and end summary) and the
+``downscale/*`` scalars the main process logged.
 """
 
 from __future__ import annotations
@@ -88,9 +110,40 @@ map_out = "{out}"
 map_ratios = [0.5]                # 16x16 latents: the 8x8 route
 map_bins = "0,0.5,1"              # two bins and σ = 1
 map_margin = 0.99                 # a loose margin, so that a window is certified and the run routes
-certify_draws = 2                 # a look at one bin: 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents
-certify_budget = 0.5              # of the run's E2E_STEPS single-sample passes
+certify_draws = 2                 # a first look at one bin: 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents;
+                                  # a safe verdict reads all 16 probes: 40
+certify_budget = 0.5              # of the run's E2E_STEPS single-sample passes: ≥ 80 steps for a window to open
 """
+
+
+# The multi-process run (``ranks``: E2E_PROCESSES ranks, 2 by default): two datasets, 128² and 256² images, batch size
+# 1, so the ranks are on different buckets on some steps (the ranks' data comes from one shuffled order, sharded by
+# accelerate), under a σ law that depends on the bucket (flux_shift: μ from the packed latent's tokens) and is narrow
+# (sigmoid_scale), so the two buckets' route odds differ by much: logit σ ~ N(μ, 0.0225²) with μ 0.4675 at 128² (a
+# 16×16 latent, 64 tokens) and 0.5 at 256² (32×32, 256 tokens). The two windows' edges sit at the two median σ
+# (0.6148, 0.6225): per bucket native / r0 / r1 ≈ 0.50 / 0.43 / 0.07 at 128² and 0.07 / 0.43 / 0.50 at 256², so
+# ranks on one bucket must route together where independent draws would often split, and ranks on different buckets
+# disagree on about 85 % of such steps (one shared uniform through each rank's own odds).
+RANKS = {
+    "sizes": {"small": (128, 4), "large": (256, 4)},  # folder: (side in px, images); one dataset, one bucket each
+    "sampling": 'timestep_sampling = "flux_shift"\nsigmoid_scale = 0.0225\n',
+    "routes": """
+[plugins.downscale]
+gate = "coupled"
+
+[[plugins.downscale.routes]]
+scale = 0.75                      # between the two buckets' median σ ...
+sigma_min = 0.6148
+sigma_max = 0.6225
+
+[[plugins.downscale.routes]]
+scale = 0.5                       # ... and above the larger bucket's (the rest runs native)
+sigma_min = 0.6225
+""",
+    "seed": 100,  # rank r trains with --seed 100 + r, as an unseeded run draws one per process (reproducibly here)
+}
+PROCESSES = int(os.environ.get("E2E_PROCESSES", 2))  # ranks of the ``ranks`` mode
+LAUNCH_TIMEOUT = int(os.environ.get("E2E_LAUNCH_TIMEOUT", 300))  # s; a hung collective ends the launch here
 
 
 def write_images(root: Path) -> Path:
@@ -104,13 +157,36 @@ def write_images(root: Path) -> Path:
     return root / "img"
 
 
-def clip_tokenizer(path: Path, eos: str = "<|endoftext|>") -> int:
-    """A byte-level CLIP BPE tokenizer with no merges (one token per character); returns the vocab size."""
+def write_rank_images(root: Path) -> Path:
+    """``RANKS``' folders of square images (each with a caption), one per resolution."""
+    rng = np.random.default_rng(0)
+    for folder, (side, count) in RANKS["sizes"].items():
+        images = root / "img" / folder
+        images.mkdir(parents=True)
+        for i in range(count):
+            Image.fromarray((rng.random((side, side, 3)) * 255).astype(np.uint8)).save(images / f"{i}.png")
+            (images / f"{i}.txt").write_text(f"a tiny {folder} test image number {i}")
+    return root / "img"
+
+
+def ranks_dataset(images: Path) -> str:
+    """The dataset TOML of ``RANKS``: one dataset per folder at its own resolution (no bucketing: one bucket each)."""
+    text = '[general]\ncaption_extension = ".txt"\nbatch_size = 1\n'
+    for folder, (side, _) in RANKS["sizes"].items():
+        text += f'\n[[datasets]]\nresolution = {side}\n[[datasets.subsets]]\nimage_dir = "{images / folder}"\nnum_repeats = 1\n'
+    return text
+
+
+def clip_tokenizer(path: Path, eos: str = "<|endoftext|>", write: bool = True) -> int:
+    """A byte-level CLIP BPE tokenizer with no merges (one token per character); returns the vocab size
+    (``write=False``: only that, for a rank reading what the launching process wrote)."""
     from transformers import CLIPTokenizer
     from transformers.models.clip.tokenization_clip import bytes_to_unicode
 
     chars = list(bytes_to_unicode().values())
     vocab = {c: i for i, c in enumerate(chars + [c + "</w>" for c in chars] + ["<|startoftext|>", eos])}
+    if not write:
+        return len(vocab)
     path.mkdir(parents=True)
     (path / "vocab.json").write_text(json.dumps(vocab))
     (path / "merges.txt").write_text("#version: 0.2\n")
@@ -118,12 +194,15 @@ def clip_tokenizer(path: Path, eos: str = "<|endoftext|>") -> int:
     return len(vocab)
 
 
-def t5_tokenizer(path: Path) -> int:
-    """A character-level Unigram tokenizer with T5's specials ("</s>" appended); returns the vocab size."""
+def t5_tokenizer(path: Path, write: bool = True) -> int:
+    """A character-level Unigram tokenizer with T5's specials ("</s>" appended); returns the vocab size
+    (``write=False``: only that)."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import T5TokenizerFast
 
     pieces = [("<pad>", 0.0), ("</s>", 0.0), ("<unk>", 0.0), ("▁", -1.0)] + [(c, -2.0) for c in string.printable.strip()]
+    if not write:
+        return len(pieces)
     tok = Tokenizer(models.Unigram(pieces, unk_id=2))
     tok.pre_tokenizer = pre_tokenizers.Metaspace()
     tok.decoder = decoders.Metaspace()
@@ -151,11 +230,17 @@ def tiny_t5(vocab: int, width: int):
     return T5EncoderModel(config).eval()
 
 
-def training_toml(work: Path, model: str, images: Path, extra: str) -> Path:
-    (work / "dataset.toml").write_text(
-        f'[general]\ncaption_extension = ".txt"\nresolution = 128\nbatch_size = 1\n\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{images / "4_tiny"}"\nnum_repeats = {REPEATS}\n'
-    )
+def training_toml(
+    work: Path, model: str, images: Path, extra: str, *, dataset: str | None = None, routes: str | None = None, write: bool = True
+) -> Path:
+    """``WORK/train.toml`` (and its ``dataset.toml``: ``dataset``, else one 128 px folder); ``write=False``: the path only."""
     path = work / "train.toml"
+    if not write:
+        return path
+    (work / "dataset.toml").write_text(
+        dataset
+        or f'[general]\ncaption_extension = ".txt"\nresolution = 128\nbatch_size = 1\n\n[[datasets]]\n[[datasets.subsets]]\nimage_dir = "{images / "4_tiny"}"\nnum_repeats = {REPEATS}\n'
+    )
     path.write_text(
         f"""[model]
 pretrained_model_name_or_path = "{model}"
@@ -179,23 +264,26 @@ seed = 42
 logging_dir = "{work / "logs"}"
 log_with = "tensorboard"
 max_data_loader_n_workers = 0
-{ROUTES}"""
+{ROUTES if routes is None else routes}"""
     )
     return path
 
 
-def setup_flux(work: Path, images: Path) -> tuple:
+def setup_flux(work: Path, images: Path, *, ranks: bool = False, write: bool = True) -> tuple:
+    """``ranks``: the multi-process run's two-resolution dataset, σ law and routes (``RANKS``); ``write=False``: a
+    rank of that run, which installs the loaders and reads the files the launching process wrote."""
     from library import flux_models, flux_utils
 
     cache = work / "tokenizers"
-    clip_vocab = clip_tokenizer(cache / "openai_clip-vit-large-patch14")
-    t5_vocab = t5_tokenizer(cache / "google_t5-v1_1-xxl")
+    clip_vocab = clip_tokenizer(cache / "openai_clip-vit-large-patch14", write=write)
+    t5_vocab = t5_tokenizer(cache / "google_t5-v1_1-xxl", write=write)
     params = flux_models.FluxParams(
         in_channels=16, vec_in_dim=8, context_in_dim=8, hidden_size=64, mlp_ratio=2.0, num_heads=2, depth=1,
         depth_single_blocks=1, axes_dim=[8, 12, 12], theta=10_000, qkv_bias=True, guidance_embed=True,
     )  # fmt: skip
     checkpoint = work / "flux_tiny.safetensors"
-    save_file(flux_models.Flux(params).state_dict(), str(checkpoint))  # analyze_checkpoint_state reads its keys
+    if write:
+        save_file(flux_models.Flux(params).state_dict(), str(checkpoint))  # analyze_checkpoint_state reads its keys
 
     def load_flow_model(ckpt_path, dtype, device, disable_mmap=False, model_type="flux"):
         model = flux_models.Flux(params)
@@ -224,13 +312,14 @@ tokenizer_cache_dir = "{cache}"
 t5xxl_max_token_length = 8
 guidance_scale = 1.0
 model_prediction_type = "raw"
-timestep_sampling = "sigmoid"
-"""
+""" + (RANKS["sampling"] if ranks else 'timestep_sampling = "sigmoid"\n')
 
     def models():
         return flux_utils.load_ae(), [flux_utils.load_clip_l(), flux_utils.load_t5xxl()], load_flow_model(str(checkpoint), None, "cpu")[1]
 
-    return "flux_train_network.py", training_toml(work, str(checkpoint), images, extra), "networks.lora_flux", models
+    dataset, routes = (ranks_dataset(images), RANKS["routes"]) if ranks else (None, None)
+    config = training_toml(work, str(checkpoint), images, extra, dataset=dataset, routes=routes, write=write)
+    return "flux_train_network.py", config, "networks.lora_flux", models
 
 
 def setup_sd3(work: Path, images: Path) -> tuple:
@@ -365,21 +454,44 @@ def check_auto(work: Path, meta: dict) -> None:
     assert json.loads(meta["ss_downscale_routes"]) == windows["routes"], meta
 
 
-def recorder() -> tuple[list, list]:
-    """Every train step's decision (rule index, lead, drawn σ) in order, and the run objects seen."""
+def recorder(seen: dict | None = None) -> tuple[list, list]:
+    """Every train step's decision (rule index, lead, drawn σ, how many σ were redrawn, fallback, native and run grid)
+    in order, and the run objects seen; into ``seen`` (when given) the network each run wraps, how often its
+    ``metadata`` was built (what a ``save_weights`` adds) and the process group's backend while the steps run."""
     from downscale_plugin.hosts.kohya.run import DownscaleRun
 
     steps: list = []
     runs: list = []
     on_step = DownscaleRun.on_step
 
-    def record(self, step, decision, *rest, **kw):
+    def record(self, step, decision, native_hw, run_hw, *rest, **kw):
         if not runs or runs[-1] is not self:
             runs.append(self)
-        steps.append({"step": step, "rule": decision.rule_index, "lead": decision.lead, "sigmas": decision.sigmas.reshape(-1).tolist()})
-        return on_step(self, step, decision, *rest, **kw)
+        steps.append({
+            "step": step, "rule": decision.rule_index, "lead": decision.lead, "sigmas": decision.sigmas.reshape(-1).tolist(),
+            "fallback": decision.fallback, "resampled": int(decision.resampled), "native_hw": list(native_hw),
+            "run_hw": list(run_hw),
+        })  # fmt: skip
+        if seen is not None and "backend" not in seen:
+            import torch.distributed as dist
+
+            seen["backend"] = dist.get_backend() if dist.is_initialized() else None
+        return on_step(self, step, decision, native_hw, run_hw, *rest, **kw)
 
     DownscaleRun.on_step = record
+    if seen is not None:
+        install, metadata = DownscaleRun.install_save_and_end, DownscaleRun.metadata
+        seen.update(networks=[], metadata_calls=0)
+
+        def install_save_and_end(self, network, *args, **kwargs):
+            seen["networks"].append(network)
+            return install(self, network, *args, **kwargs)
+
+        def counted_metadata(self, *args, **kwargs):
+            seen["metadata_calls"] += 1
+            return metadata(self, *args, **kwargs)
+
+        DownscaleRun.install_save_and_end, DownscaleRun.metadata = install_save_and_end, counted_metadata
     return steps, runs
 
 
@@ -399,6 +511,11 @@ def write_record(work: Path, steps: list, runs: list) -> None:
 def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    if mode == "ranks":
+        if arch != "flux" or PROCESSES < 2:
+            raise SystemExit(f"ranks: a multi-process run of flux (E2E_PROCESSES ≥ 2), not {arch} on {PROCESSES}")
+        _, _, inner, models = setup_flux(work, write_rank_images(work), ranks=True)
+        return main_ranks(work, inner, models, host_argv)
     script, config, inner, models = SETUPS[arch](work, write_images(work))
     if mode.startswith("map-"):
         config.write_text(config.read_text().replace(ROUTES, MAP.format(after=mode.removeprefix("map-"), out=work / "map")))
@@ -438,15 +555,226 @@ def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
     print("tracked:", {tag: values[-1] for tag, values in sorted(scalars.items())})
     assert len(scalars["downscale/steps"]) == STEPS and scalars["downscale/steps"][-1] == STEPS
 
-    vae, text_encoders, unet = models()  # fresh base models: the LoRA must load with the inner module alone
+    load_lora(lora, inner, models)
+    print("E2E OK")
+
+
+def load_lora(lora: Path, inner: str, models) -> int:
+    """The saved LoRA loads into fresh base models with the inner module alone (strict); returns its tensor count."""
+    vae, text_encoders, unet = models()
     module = importlib.import_module(inner)
     network, weights = module.create_network_from_weights(1.0, str(lora), vae, text_encoders, unet)
     network.apply_to(text_encoders, unet, True, True)
     info = network.load_state_dict(weights, strict=True)
     print(f"{inner}.create_network_from_weights: {len(weights)} tensors, {info}")
+    return len(weights)
+
+
+# ---- several processes (``ranks``) -----------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def launch_command(work: Path, processes: int, train_argv: tuple[str, ...]) -> list[str]:
+    """accelerate's launcher for ``processes`` CPU ranks on this machine. ``--num_processes N`` alone (or with
+    ``--cpu``) takes accelerate's simple launcher, which starts one process; ``--multi_gpu`` takes torchrun's, which
+    starts N, and each rank's Accelerator (ACCELERATE_USE_CPU, no visible GPU) then runs MULTI_CPU on gloo."""
+    return [
+        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
+        "--num_cpu_threads_per_process", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+        "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
+        os.path.abspath(__file__), "--rank", "flux", str(work.resolve()), *train_argv,
+    ]  # fmt: skip
+
+
+def log_tails(work: Path, processes: int, chars: int = 6000) -> str:
+    paths = [work / "launch.log", *(work / f"rank{r}.log" for r in range(processes))]
+    return "\n".join(f"---- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in paths if p.exists())
+
+
+def printed(text: str) -> dict:
+    """The plugin's start banner and end summary in one rank's output (printed, or logged after a logger's prefix):
+    the banner's head lines, and each summary block (its head line, from where it starts, and the indented lines
+    that follow it). The summary is printed right after the host's progress bar, which ends without a newline."""
+    import re
+
+    lines = text.splitlines()
+    banners = [line for line in lines if re.search(r"(^|:)downscale_plugin \S+: \w+ \(.*process\(es\)", line)]
+    summaries = []
+    for i, line in enumerate(lines):
+        head = re.search(r"downscale: \d+ train forwards", line)
+        if head:
+            block = [line[head.start() :]]
+            for more in lines[i + 1 :]:
+                if not re.match(r"  \S", more):  # its own lines; not the next log record (rich's indented continuation)
+                    break
+                block.append(more)
+            summaries.append("\n".join(block))
+    return {"banners": banners, "summaries": summaries}
+
+
+def main_ranks(work: Path, inner: str, models, train_argv: tuple[str, ...]) -> None:
+    """Launch the training script as ``PROCESSES`` CPU ranks (each ``--rank`` below), then check and record what each
+    rank recorded, the saved LoRA and what each rank printed (``record.json``: ``ranks``, one entry per rank)."""
+    import signal
+    import subprocess
+
+    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
+    with open(work / "launch.log", "w") as log:
+        proc = subprocess.Popen(
+            launch_command(work, PROCESSES, train_argv), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
+        )
+        try:
+            code = proc.wait(timeout=LAUNCH_TIMEOUT)
+        except subprocess.TimeoutExpired as late:
+            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks (their own session)
+            proc.wait()
+            raise AssertionError(
+                f"the {PROCESSES}-process launch ran past {LAUNCH_TIMEOUT} s (hung?)\n{log_tails(work, PROCESSES)}"
+            ) from late
+    assert code == 0, f"the launch exited {code}\n{log_tails(work, PROCESSES)}"
+    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(PROCESSES)]
+    for r, rank in enumerate(ranks):
+        assert rank["rank"] == r and rank["world_size"] == PROCESSES, (r, rank["rank"], rank["world_size"])
+        assert len(rank["steps"]) == len(rank["dit"]) == rank["forwards"], (r, len(rank["steps"]), len(rank["dit"]), rank["forwards"])
+        rank.update(printed((work / f"rank{r}.log").read_text(errors="replace")))
+    lora = work / "out" / "lora.safetensors"
+    with safe_open(str(lora), "pt") as f:
+        meta = {k: v for k, v in (f.metadata() or {}).items() if k.startswith("ss_")}
+    counts = json.loads(meta["ss_downscale_counts"])
+    forwards = sum(rank["forwards"] for rank in ranks)
+    assert meta["ss_network_module"] == "downscale_plugin" and meta["ss_downscale_inner"] == inner, meta
+    assert counts["forwards"] == forwards, (counts, forwards)
+    record = {
+        "processes": PROCESSES, "ranks": ranks, "metadata": {k: v for k, v in meta.items() if k.startswith("ss_downscale")},
+        "saved_sums": {k: float(v.double().sum()) for k, v in load_file(str(lora)).items()},
+        "outputs": sorted(p.name for p in (work / "out").iterdir()), "loaded_tensors": load_lora(lora, inner, models),
+        "event_files": len(list((work / "logs").rglob("events.out.tfevents.*"))), "scalars": tracked_scalars(work / "logs"),
+    }  # fmt: skip
+    (work / "record.json").write_text(json.dumps(record, indent=1))
+    print(f"ranks: {PROCESSES} processes × {ranks[0]['forwards']} forwards; ranks disagreed on {ranks[0]['totals']['disagreed']:.0f}")
     print("E2E OK")
+
+
+def frozen_modules_unwrapped() -> list:
+    """accelerate's MULTI_CPU ``prepare_model`` wraps every model in DDP, which refuses one without a trainable
+    parameter ("DistributedDataParallel is not needed when a module doesn't have any parameter that requires a
+    gradient"): the trainer's frozen Flux (``prepare_unet_with_accelerator``: ``accelerator.prepare(unet)``,
+    train_network.py; the LoRA's parameters live in the network, not in the DiT). Its multi-GPU branch leaves such a
+    model unwrapped; this gives the CPU ranks that branch's behaviour (the network is still wrapped in DDP). Returns
+    the list it fills: per prepared model, its class and what ``prepare_model`` returned."""
+    import functools
+
+    from accelerate import Accelerator
+    from accelerate.utils import DistributedType
+
+    real = Accelerator.prepare_model
+    prepared: list = []
+
+    @functools.wraps(real)
+    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
+        frozen = not any(p.requires_grad for p in model.parameters())
+        if self.distributed_type == DistributedType.MULTI_CPU and frozen:
+            evaluation_mode = True  # placement as usual, no DDP
+        out = real(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
+        prepared.append([type(model).__name__, type(out).__name__])
+        return out
+
+    Accelerator.prepare_model = prepare_model
+    return prepared
+
+
+def dit_recorder() -> list:
+    """Every Flux forward's batch, latent grid (twice the packed grid its ``img_ids`` index) and time input."""
+    import functools
+    import inspect
+
+    from library import flux_models
+
+    calls: list = []
+    forward = flux_models.Flux.forward
+    signature = inspect.signature(forward)
+
+    @functools.wraps(forward)
+    def recorded(self, *args, **kwargs):
+        bound = signature.bind(self, *args, **kwargs).arguments
+        ids = bound["img_ids"][0]
+        packed = (int(ids[:, 1].max()) + 1, int(ids[:, 2].max()) + 1)
+        assert bound["img"].shape[1] == packed[0] * packed[1], (bound["img"].shape, packed)
+        calls.append({
+            "batch": int(bound["img"].shape[0]), "latent_hw": [2 * packed[0], 2 * packed[1]],
+            "timesteps": bound["timesteps"].reshape(-1).tolist(),
+        })  # fmt: skip
+        return forward(self, *args, **kwargs)
+
+    flux_models.Flux.forward = recorded
+    return calls
+
+
+def save_recorder() -> list:
+    """The file name of every ``save_weights`` of the inner network class (the plugin's wrap calls it)."""
+    from networks import lora_flux
+
+    saves: list = []
+    save = lora_flux.LoRANetwork.save_weights
+
+    def recorded(self, file, *args, **kwargs):
+        saves.append(os.path.basename(file))
+        return save(self, file, *args, **kwargs)
+
+    lora_flux.LoRANetwork.save_weights = recorded
+    return saves
+
+
+def rank_main(work: Path, *train_argv: str) -> None:
+    """One rank of ``main_ranks``' launch: the loaders' replacements and the recorders (nothing written but this
+    rank's files), the training script with this rank's own ``--seed``, and ``WORK/rank{R}.json``; its output goes to
+    ``WORK/rank{R}.log``."""
+    rank = int(os.environ["RANK"])
+    log = open(work / f"rank{rank}.log", "w", buffering=1)  # noqa: SIM115 (the process's stdout and stderr until it exits)
+    os.dup2(log.fileno(), 1)
+    os.dup2(log.fileno(), 2)
+    torch.set_num_threads(1)
+    script, config, _, _ = setup_flux(work, work / "img", ranks=True, write=False)
+    prepared = frozen_modules_unwrapped()
+    seen: dict = {}
+    steps, runs = recorder(seen)
+    dit, saves = dit_recorder(), save_recorder()
+    sys.argv = [script, "--config_file", str(config), "--seed", str(RANKS["seed"] + rank), *train_argv]
+    runpy.run_path(script, run_name="__main__")
+    assert len(runs) == 1 and len(seen["networks"]) == 1, (runs, seen)
+    run, network = runs[0], seen["networks"][0]
+    plan = None
+    if run.plan is not None:  # the main process's only
+        plan = [{"latent_hw": list(b.latent_hw), "targets": {str(i): list(t) for i, t in b.targets.items()}} for b in run.plan.buckets]
+    local, totals = run.accounting, run.totals
+    record = {
+        "rank": run.rank, "world_size": run.world_size, "own_seed": RANKS["seed"] + rank, "seed": run.seed,
+        "backend": seen["backend"], "distributed_type": str(run.accelerator.distributed_type),
+        "prepared": prepared,
+        "forwards": int(run.router.total_forwards), "accumulation": int(run.accelerator.gradient_accumulation_steps),
+        "routes": [r.label for r in run.cfg.routes], "sigma_windows": [[r.sigma_min, r.sigma_max] for r in run.cfg.routes],
+        "steps": steps, "dit": dit, "saves": saves,
+        "local": {**local.counts.state(), "hist_run": local.hist_run, "hist_native": local.hist_native},
+        "totals": {
+            **totals.counts.state(), "hist_run": totals.hist_run, "hist_native": totals.hist_native,
+            "compared": totals.compared, "disagreed": totals.disagreed, "summary": totals.summary_text(),
+        },
+        "metadata_calls": seen["metadata_calls"], "plan_buckets": plan,
+        "weights": {k: float(v.detach().double().sum()) for k, v in network.state_dict().items()},
+    }  # fmt: skip
+    (work / f"rank{rank}.json").write_text(json.dumps(record, indent=1))
 
 
 if __name__ == "__main__":
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
-    main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])
+    if sys.argv[1] == "--rank":  # a rank of main_ranks' launch: --rank flux WORK [TRAINING ARGS...]
+        rank_main(Path(sys.argv[3]), *sys.argv[4:])
+    else:
+        main(sys.argv[1], Path(sys.argv[2]), *sys.argv[3:])

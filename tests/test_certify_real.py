@@ -1,7 +1,12 @@
 """Certification in the real Flux training script (skipped unless ``SD_SCRIPTS_DIR`` points at an
 sd-scripts checkout; ``tests/sd_scripts_e2e.py`` runs the script): ``mode = "auto"`` certifies windows
 on the run's first 16 samples, trains with them and saves their provenance; a windows file certified
-on another model is refused at start, naming the mismatch, and ``windows_foreign = "warn"`` trains with it."""
+on another model is refused at start, naming the mismatch, and ``windows_foreign = "warn"`` trains with it.
+A certification that opens nothing (ε ≈ 0) leaves the run bitwise the plain ``networks.lora_flux`` run's.
+
+A safe verdict reads all 16 probes: 16 × ``certify_draws`` × (1 + the route's token fraction) = 16 × 2 × 1.25 = 40
+native-step equivalents here, so the runs that must open a window give the certifier a budget of at least 40.
+"""
 
 from __future__ import annotations
 
@@ -68,7 +73,7 @@ def test_windows_foreign_warn_trains_with_them(tmp_path):
 
 
 def test_auto_certifies_on_the_runs_first_samples_and_trains_with_the_windows(tmp_path):
-    proc = run_e2e(tmp_path, "", "auto", E2E_STEPS="40")
+    proc = run_e2e(tmp_path, "", "auto", E2E_STEPS="80")  # budget 0.5 × 80 = 40: one safe verdict
     log = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 0 and "E2E OK" in log, log[-3000:]
     assert "certified before train batch 16" in log and "certification: " in log and "net saving: FLOP" in log, log[-3000:]
@@ -82,20 +87,20 @@ map_ratios = [0.5]
 map_bins = "0,0.5,1"
 map_margin = 0.99
 certify_draws = 2
-certify_budget = 0.5
+certify_budget = 0.5              # of 40 steps × accumulation 2: 40, one safe verdict
 """
 
 
-def recorded(work: Path, out: Path, *argv: str) -> tuple[dict, str]:
-    """The real Flux script through ``sd_scripts_e2e.py record`` in auto: 16 images, batch 1, accumulation 2, 24 steps."""
+def recorded(work: Path, out: Path, *argv: str, table: str = AUTO_RESUME, steps: int = 40, repeats: int = 1) -> tuple[dict, str]:
+    """The real Flux script through ``sd_scripts_e2e.py record`` with ``table``: 16 images × ``repeats``, batch 1, accumulation 2."""
     env = {
         **os.environ,
         "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)]),
         "COLUMNS": "1000",
-        "E2E_ROUTES": AUTO_RESUME.format(out=out),
+        "E2E_ROUTES": table.format(out=out),
         "E2E_IMAGES": "16",
-        "E2E_REPEATS": "1",
-        "E2E_STEPS": "24",
+        "E2E_REPEATS": str(repeats),
+        "E2E_STEPS": str(steps),
     }
     proc = subprocess.run(
         [sys.executable, str(HERE / "sd_scripts_e2e.py"), "flux", str(work), "record", "--gradient_accumulation_steps", "2", *argv],
@@ -114,7 +119,7 @@ def test_a_resumed_auto_run_routes_by_its_certified_windows_without_certifying_a
     from it, the real loop routes by the state's certified windows from its first forward and certifies nothing again
     (this host does not restore the RNG here, "Could not load random states", so σ, not the routes, differ)."""
     first, log = recorded(tmp_path / "a", tmp_path / "certify_a", "--save_state", "--save_every_n_steps", "10")
-    assert "certified before train batch 16" in log and len(first["steps"]) == 48
+    assert "certified before train batch 16" in log and len(first["steps"]) == 80
     windows = json.loads(first["metadata"]["ss_downscale_routes"])
     assert windows and any(s["rule"] >= 0 for s in first["steps"][16:])
     state = tmp_path / "a" / "out" / "lora-step00000010-state"
@@ -128,3 +133,62 @@ def test_a_resumed_auto_run_routes_by_its_certified_windows_without_certifying_a
     assert json.loads(second["metadata"]["ss_downscale_routes"]) == windows
     assert json.loads(second["metadata"]["ss_downscale_counts"])["forwards"] == 20 + len(steps)
     assert json.loads(second["metadata"]["ss_downscale_map"])["method"] == "certify"
+
+
+OPENS_NOTHING = """
+[plugins.downscale]
+mode = "auto"
+map_out = "{out}"
+map_ratios = [0.5]
+map_bins = "0,0.5,1"
+map_margin = 1e-9                 # ε ≈ 0: no bin can be certified; the certifier spends its looks and opens nothing
+certify_draws = 2                 # a look: 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents
+certify_budget = 0.5              # of 24 steps × accumulation 2: 24, two looks
+"""
+
+
+@pytest.mark.parametrize(
+    "console",
+    [
+        pytest.param(("--console_log_simple",), id="simple-console"),
+        pytest.param((), id="rich-console"),
+    ],
+)
+def test_a_certification_that_opens_nothing_leaves_the_real_flux_run_bitwise_the_hosts(console, tmp_path):
+    """The real Flux script with ``networks.lora_flux`` and with the plugin in auto at ε ≈ 0, from the same TOML, with
+    accumulation 2, ``--gradient_checkpointing`` and ``--flip_aug``: the certifier runs before train batch 16, between the
+    two micro-batches of update 8 (its probe passes draw noise and σ and run forward and backward through the model and
+    the LoRA), opens nothing and must leave the rest bitwise the host's. 16 images × 2 repeats make the epoch 32 batches,
+    so batches 17-32 draw their flips from Python's ``random`` as the certifier left it (sd-scripts reseeds it only at an
+    epoch's start, ``shuffle_buckets``) and their σ, noise and the next epoch's shuffle from torch's generator; the
+    micro-batch before the certification has its gradient in ``.grad`` and the optimizer steps after it. So the saved LoRA
+    must equal the plain run's tensor for tensor: a deliberate ``torch.rand(1)`` or ``random.random()`` after the
+    certifier changes all 26 of its LoRA weights. Also on sd-scripts' default rich console, whose handler draws Python's
+    ``random`` for every record it renders: the plugin's records (the first step's resume line, the certification's
+    lines) are logged through ``rng.plugin_logger``, which puts ``random`` back, or the flips after them would move."""
+    import torch
+    from safetensors.torch import load_file
+
+    argv = ("--gradient_checkpointing", "--flip_aug", *console)
+    lora_flux = ("--network_module", "networks.lora_flux")
+    plain, _ = recorded(tmp_path / "plain", tmp_path / "certify_plain", *lora_flux, *argv, table=OPENS_NOTHING, steps=24, repeats=2)
+    mine, log = recorded(tmp_path / "plugin", tmp_path / "certify", *argv, table=OPENS_NOTHING, steps=24, repeats=2)
+    assert "certified before train batch 16" in log and "no route has a certified window at margin 1e-09" in log, log[-3000:]
+    assert not (tmp_path / "certify_plain").exists() and not plain["steps"]  # the plain run never loaded the plugin
+    blob = json.loads((tmp_path / "certify" / "certify.json").read_text())
+    assert blob["cost"]["native_step_equivalents"] > 0 and not any(b["safe"] for b in blob["bins"]), blob["cost"]
+    assert any(b["evidence"]["images"] for b in blob["bins"]), blob["bins"]  # a look was read
+    certified = json.loads(mine["metadata"]["ss_downscale_map"])
+    assert certified["safe_bins"] == [] and certified["windows"] == [] and json.loads(mine["metadata"]["ss_downscale_routes"]) == []
+    assert len(mine["steps"]) == 48 and all(s["rule"] < 0 for s in mine["steps"])  # 24 updates × 2 micro-batches, all native
+    assert json.loads(mine["metadata"]["ss_downscale_counts"])["forwards"] == 48
+    for key in ("ss_steps", "ss_epoch", "ss_num_batches_per_epoch", "ss_gradient_checkpointing", "ss_datasets"):
+        assert mine["metadata"][key] == plain["metadata"][key], key
+    assert plain["metadata"]["ss_steps"] == "24" and plain["metadata"]["ss_num_batches_per_epoch"] == "32"
+    assert plain["metadata"]["ss_gradient_checkpointing"] == "True"
+    assert json.loads(plain["metadata"]["ss_datasets"])[0]["subsets"][0]["flip_aug"] is True
+    theirs = load_file(str(tmp_path / "plain" / "out" / "lora.safetensors"))
+    weights = load_file(str(tmp_path / "plugin" / "out" / "lora.safetensors"))
+    assert weights.keys() == theirs.keys() and len(theirs) == 39  # 13 LoRA modules: down, up, alpha
+    differ = [k for k in theirs if not torch.equal(weights[k], theirs[k])]
+    assert not differ, f"{len(differ)} of {len(theirs)} tensors differ: {differ[:4]}"

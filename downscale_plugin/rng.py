@@ -103,15 +103,13 @@ def seed_forked(value: int, devices: Sequence[torch.device] = ()) -> None:
 
 
 class RandomKeepingLogger(logging.LoggerAdapter):
-    """A logger whose records leave Python's ``random`` as they found it, whatever the handlers draw."""
+    """A logger whose records leave the global generators (Python's ``random`` among them) as they found them,
+    whatever the handlers draw: each record is handled inside :func:`forked`."""
 
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
-        state = random.getstate()
         kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1  # the record names the plugin's caller, not this frame
-        try:
+        with forked():
             super().log(level, msg, *args, **kwargs)
-        finally:
-            random.setstate(state)
 
 
 def plugin_logger(name: str) -> RandomKeepingLogger:

@@ -72,6 +72,8 @@ from pathlib import Path
 import numpy as np
 import torch
 from PIL import Image
+from ranks_checks import RANKS_ROUTES, RANKS_SEED
+from run_recorder import recorder
 
 STEPS = int(os.environ.get("E2E_STEPS", 160))
 BATCH = int(os.environ.get("E2E_BATCH", 1))
@@ -111,21 +113,9 @@ DIT_TIMESTEPS: list[list[float]] = []  # ... and the timesteps it was called wit
 RANKS = {
     "sizes": {"small": ((128, 128), 4), "large": ((256, 256), 4)},  # (W, H), clips
     "sampling": {"timestep_sampling": "flux_shift", "discrete_flow_shift": 1.0, "sigmoid_scale": 0.0225},
-    "routes": """
-[plugins.downscale]
-gate = "coupled"
-
-[[plugins.downscale.routes]]
-scale = 0.75                      # between the two buckets' median σ ...
-sigma_min = 0.6148
-sigma_max = 0.6225
-
-[[plugins.downscale.routes]]
-scale = 0.5                       # ... and above the larger bucket's (the rest runs native)
-sigma_min = 0.6225
-""",
+    "routes": RANKS_ROUTES,
     "frames": 1,  # pixel frames per clip (Wan's VAE: one latent frame; a video's cost without its VAE time)
-    "seed": 100,  # rank r trains with --seed 100 + r, as an unseeded run draws one per process (reproducibly here)
+    "seed": RANKS_SEED,
 }
 
 
@@ -501,47 +491,6 @@ MULTI = {"wan", "wan22", "wan_ranks"}  # the setups a multi-process launch can r
 
 
 # ---- recording and checks ---------------------------------------------------------------------------------------------
-
-
-def recorder(seen: dict | None = None) -> tuple[list, list]:
-    """Every train step's decision (rule, lead, σ, how many σ were redrawn, native and run grid) in order, and the run
-    objects seen; into ``seen`` (when given) the network each run wraps, how often its ``metadata`` was built (what
-    a ``save_weights`` adds) and the process group's backend while the steps run (accelerate's ``end_training`` ends it)."""
-    import torch.distributed as dist
-
-    from downscale_plugin.hosts.musubi.start import DownscaleRun  # the run class musubi's start builds, wherever it lives
-
-    steps: list = []
-    runs: list = []
-    on_step = DownscaleRun.on_step
-
-    def record(self, step, decision, native_hw, run_hw, *rest, **kw):
-        if not runs or runs[-1] is not self:
-            runs.append(self)
-        steps.append({
-            "step": step, "rule": decision.rule_index, "lead": decision.lead, "sigmas": decision.sigmas.reshape(-1).tolist(),
-            "fallback": decision.fallback, "native_hw": list(native_hw), "run_hw": list(run_hw),
-            "resampled": int(decision.resampled),
-        })  # fmt: skip
-        if seen is not None and "backend" not in seen:
-            seen["backend"] = dist.get_backend() if dist.is_initialized() else None
-        return on_step(self, step, decision, native_hw, run_hw, *rest, **kw)
-
-    DownscaleRun.on_step = record
-    if seen is not None:
-        install, metadata = DownscaleRun.install_save_and_end, DownscaleRun.metadata
-        seen.update(networks=[], metadata_calls=0)
-
-        def install_save_and_end(self, network, *args, **kwargs):
-            seen["networks"].append(network)
-            return install(self, network, *args, **kwargs)
-
-        def counted_metadata(self, *args, **kwargs):
-            seen["metadata_calls"] += 1
-            return metadata(self, *args, **kwargs)
-
-        DownscaleRun.install_save_and_end, DownscaleRun.metadata = install_save_and_end, counted_metadata
-    return steps, runs
 
 
 def run_script(name: str, argv: list[str]) -> None:

@@ -67,6 +67,8 @@ import numpy as np
 import toml
 import torch
 from PIL import Image
+from ranks_checks import RANKS_ROUTES, RANKS_SEED
+from run_recorder import recorder
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
@@ -127,20 +129,8 @@ certify_budget = 0.5              # of the run's E2E_STEPS single-sample passes:
 RANKS = {
     "sizes": {"small": (128, 4), "large": (256, 4)},  # folder: (side in px, images); one dataset, one bucket each
     "sampling": 'timestep_sampling = "flux_shift"\nsigmoid_scale = 0.0225\n',
-    "routes": """
-[plugins.downscale]
-gate = "coupled"
-
-[[plugins.downscale.routes]]
-scale = 0.75                      # between the two buckets' median σ ...
-sigma_min = 0.6148
-sigma_max = 0.6225
-
-[[plugins.downscale.routes]]
-scale = 0.5                       # ... and above the larger bucket's (the rest runs native)
-sigma_min = 0.6225
-""",
-    "seed": 100,  # rank r trains with --seed 100 + r, as an unseeded run draws one per process (reproducibly here)
+    "routes": RANKS_ROUTES,
+    "seed": RANKS_SEED,
 }
 PROCESSES = int(os.environ.get("E2E_PROCESSES", 2))  # ranks of the ``ranks`` mode
 LAUNCH_TIMEOUT = int(os.environ.get("E2E_LAUNCH_TIMEOUT", 300))  # s; a hung collective ends the launch here
@@ -452,47 +442,6 @@ def check_auto(work: Path, meta: dict) -> None:
     recorded = json.loads(meta["ss_downscale_map"])
     assert recorded["method"] == "certify" and recorded["probes"] == 16, recorded
     assert json.loads(meta["ss_downscale_routes"]) == windows["routes"], meta
-
-
-def recorder(seen: dict | None = None) -> tuple[list, list]:
-    """Every train step's decision (rule index, lead, drawn σ, how many σ were redrawn, fallback, native and run grid)
-    in order, and the run objects seen; into ``seen`` (when given) the network each run wraps, how often its
-    ``metadata`` was built (what a ``save_weights`` adds) and the process group's backend while the steps run."""
-    from downscale_plugin.hosts.kohya.run import DownscaleRun
-
-    steps: list = []
-    runs: list = []
-    on_step = DownscaleRun.on_step
-
-    def record(self, step, decision, native_hw, run_hw, *rest, **kw):
-        if not runs or runs[-1] is not self:
-            runs.append(self)
-        steps.append({
-            "step": step, "rule": decision.rule_index, "lead": decision.lead, "sigmas": decision.sigmas.reshape(-1).tolist(),
-            "fallback": decision.fallback, "resampled": int(decision.resampled), "native_hw": list(native_hw),
-            "run_hw": list(run_hw),
-        })  # fmt: skip
-        if seen is not None and "backend" not in seen:
-            import torch.distributed as dist
-
-            seen["backend"] = dist.get_backend() if dist.is_initialized() else None
-        return on_step(self, step, decision, native_hw, run_hw, *rest, **kw)
-
-    DownscaleRun.on_step = record
-    if seen is not None:
-        install, metadata = DownscaleRun.install_save_and_end, DownscaleRun.metadata
-        seen.update(networks=[], metadata_calls=0)
-
-        def install_save_and_end(self, network, *args, **kwargs):
-            seen["networks"].append(network)
-            return install(self, network, *args, **kwargs)
-
-        def counted_metadata(self, *args, **kwargs):
-            seen["metadata_calls"] += 1
-            return metadata(self, *args, **kwargs)
-
-        DownscaleRun.install_save_and_end, DownscaleRun.metadata = install_save_and_end, counted_metadata
-    return steps, runs
 
 
 def write_record(work: Path, steps: list, runs: list) -> None:

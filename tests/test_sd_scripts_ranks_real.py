@@ -26,6 +26,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from ranks_checks import RANKS_SEED, counts_are_cross_rank_sums, disagreements_are_counted, same_bucket_steps_share_their_route, step_pairs
 
 SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
 pytestmark = pytest.mark.skipif(not SD_SCRIPTS_DIR, reason="set SD_SCRIPTS_DIR to an sd-scripts checkout (main 48d368fa)")
@@ -35,9 +36,8 @@ PROCESSES = 2
 STEPS = 6  # optimizer steps per rank
 ACCUMULATION = 2
 FORWARDS = STEPS * ACCUMULATION  # train forwards per rank
-SEED = 100  # rank r trains with --seed SEED + r (sd_scripts_e2e.RANKS["seed"])
+SEED = RANKS_SEED  # rank r trains with --seed SEED + r
 BUCKETS = [[16, 16], [32, 32]]  # 128² and 256² images at Flux's latent grid
-LABELS = {0: "r0 x0.75", 1: "r1 x0.5", -1: "native"}
 
 
 @pytest.fixture(scope="module")
@@ -52,13 +52,6 @@ def run(tmp_path_factory) -> dict:
     proc = subprocess.run(argv, cwd=SD_SCRIPTS_DIR, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "E2E OK" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-8000:]
     return json.loads((work / "record.json").read_text())
-
-
-def _pairs(run: dict) -> list[tuple[dict, dict]]:
-    """Step n of rank 0 beside step n of rank 1 (the same forward of the run: ranks step in lockstep)."""
-    first, second = (rank["steps"] for rank in run["ranks"])
-    assert [s["step"] for s in first] == [s["step"] for s in second] == list(range(1, FORWARDS + 1))
-    return list(zip(first, second, strict=True))
 
 
 def _category(sigma: float, windows: list) -> int:
@@ -90,17 +83,9 @@ def test_ranks_on_the_same_bucket_take_the_same_route_every_step(run):
     and each bucket's odds are mixed (128²: native / r0 / r1 ≈ 0.50 / 0.43 / 0.07): ranks drawing their category from
     their own σ would split on about half of those steps, and did here wherever one rank kept its own σ and the
     other had to redraw it."""
-    pairs = _pairs(run)
-    same = [a["native_hw"] == b["native_hw"] for a, b in pairs]
-    assert 0 < sum(same) < FORWARDS, same  # the run put the ranks on one bucket on some steps and on two on others
-    together = [(a, b) for (a, b), s in zip(pairs, same, strict=True) if s]
-    assert all(a["rule"] == b["rule"] for a, b in together), [(a["rule"], b["rule"]) for a, b in together]
-    assert len({a["rule"] for a, _ in together}) >= 2, together  # not one category throughout: the agreement is not trivial
+    together = same_bucket_steps_share_their_route(step_pairs(run, FORWARDS), FORWARDS)
     # one rank's own host σ lay in the step's category, the other's did not: their own draws named different routes
     assert any(a["resampled"] != b["resampled"] for a, b in together), together
-    for a, b in pairs:
-        if a["rule"] != b["rule"]:
-            assert a["native_hw"] != b["native_hw"], (a, b)
 
 
 def test_routed_steps_ran_flux_at_the_routes_small_grid_on_each_rank(run):
@@ -131,29 +116,8 @@ def test_saved_counts_are_the_cross_rank_sums(run):
     """Every count the accounting keeps is summed over the ranks, identically on both; the saved LoRA's
     ``ss_downscale_counts`` are those sums: 2 ranks × 6 optimizer steps × accumulation 2 = 24 forwards, and the route
     shares and token saving of both ranks' recorded steps together."""
-    first, second = run["ranks"]
-    for rank in run["ranks"]:
-        assert sum(rank["local"]["steps"]) == FORWARDS and sum(rank["local"]["samples"]) == FORWARDS
-    summed = [{k: v for k, v in rank["totals"].items() if k != "summary"} for rank in run["ranks"]]
-    assert summed[0] == summed[1]
-    for name, mine in first["local"].items():
-        theirs, total = second["local"][name], first["totals"][name]
-        if isinstance(mine, list):
-            assert total == pytest.approx([a + b for a, b in zip(mine, theirs, strict=True)]), name
-        elif isinstance(mine, dict):
-            keys = set(mine) | set(theirs)
-            assert total == pytest.approx({k: mine.get(k, 0.0) + theirs.get(k, 0.0) for k in keys}), name
-        else:
-            assert total == pytest.approx(mine + theirs), name
-    counts = json.loads(run["metadata"]["ss_downscale_counts"])
-    steps = [s for rank in run["ranks"] for s in rank["steps"]]
-    assert counts["forwards"] == PROCESSES * STEPS * ACCUMULATION == len(steps) == 24
-    shares = {LABELS[i]: sum(s["rule"] == i for s in steps) / len(steps) for i in LABELS}
-    assert counts["routes"] == pytest.approx(shares)
     tokens = lambda hw: (hw[0] // 2) * (hw[1] // 2)  # noqa: E731 (Flux's 2×2 patches)
-    saving = 1.0 - sum(tokens(s["run_hw"]) for s in steps) / sum(tokens(s["native_hw"]) for s in steps)
-    assert counts["token_saving"] == pytest.approx(saving)
-    assert counts["fallbacks"] == {"law_fill": 0.0, "lead_fill": 0.0, "other": 0.0}
+    counts_are_cross_rank_sums(run, FORWARDS, PROCESSES, tokens)
     # the host logs after every forward (train_network.py), on the main process only: each time both ranks' sum so far
     assert run["scalars"]["downscale/steps"] == [PROCESSES * n for n in range(1, FORWARDS + 1)]
 
@@ -181,14 +145,8 @@ def test_steps_where_ranks_on_different_buckets_disagree_are_counted(run):
     """Where the two buckets' odds put the shared uniform in different categories the ranks run different routes;
     every step is compared once (12 forwards, not 24), and the disagreements are counted, reported in the end
     summary and logged (the main process's running share, after every forward)."""
-    pairs = _pairs(run)
-    differ = sum(a["rule"] != b["rule"] for a, b in pairs)
-    apart = sum(a["native_hw"] != b["native_hw"] for a, b in pairs)
-    assert 0 < differ <= apart  # about 85 % of the steps on different buckets, under these odds
-    for rank in run["ranks"]:
-        assert (rank["totals"]["compared"], rank["totals"]["disagreed"]) == (FORWARDS, differ)
-    summary = run["ranks"][0]["summaries"][0]
-    assert f"ranks ran different routes on {differ} of {FORWARDS} steps" in summary, summary
+    pairs = step_pairs(run, FORWARDS)
+    disagreements_are_counted(run, pairs, FORWARDS)
     running = [sum(a["rule"] != b["rule"] for a, b in pairs[:n]) / n for n in range(1, FORWARDS + 1)]
     assert run["scalars"]["downscale/rank_disagree_frac"] == pytest.approx(running, rel=1e-6)
 
@@ -198,7 +156,7 @@ def test_each_rank_runs_its_own_sigma(run):
     (the redraws run on each rank's private stream); each rank's Flux ran at its own step's σ (the host passes
     t = 1000 σ, divided by 1000); and every σ lies in its step's category window (the coupled gate)."""
     windows = run["ranks"][0]["sigma_windows"]
-    pairs = _pairs(run)
+    pairs = step_pairs(run, FORWARDS)
     for a, b in pairs:
         assert a["sigmas"] != b["sigmas"], (a, b)
     both_redrew = [(a, b) for a, b in pairs if a["resampled"] and b["resampled"] and a["native_hw"] == b["native_hw"]]

@@ -36,8 +36,9 @@ _KEPT = ("args", "accelerator", "transformer", "network", "noise_scheduler", "di
 
 
 class ForcingHook(ForcedSteps, ProcessBatchHook):
-    """The step hook of an ``auto`` run: inside :meth:`forcing` a call runs the host at the given grid
-    (None: native) and σ, draws the step's noise itself and is not counted; outside it, the plain hook."""
+    """The step hook of an in-run measurement (``map``, ``auto``): inside :meth:`forcing` a call runs the host at the
+    given grid (None: native) and σ, draws the step's noise itself and is not counted (nor gets the direction loss: a
+    measurement compares the host's own loss); outside it, the plain hook."""
 
     def train_step(self, original: Any, call: StepCall) -> Any:
         if self.forced is None:

@@ -29,8 +29,8 @@ from .map_backend import HostVae, split_batch
 
 
 class MapHook(ForcedSteps, DownscaleHook):
-    """The step hook of a map run: inside :meth:`forcing` a train step runs the host at the given
-    grid (None: native) and σ, and is not counted; outside it, the plain hook."""
+    """The step hook of an in-run measurement (``map``, ``auto``): inside :meth:`forcing` a train step runs the
+    host at the given grid (None: native) and σ, and is not counted; outside it, the plain hook."""
 
     def train_step(self, original: Any, call: HostCall) -> Any:
         if self.forced is None:

@@ -107,6 +107,8 @@ class RandomKeepingLogger(logging.LoggerAdapter):
     whatever the handlers draw: each record is handled inside :func:`forked`."""
 
     def log(self, level: int, msg: object, *args: Any, **kwargs: Any) -> None:
+        if not self.isEnabledFor(level):
+            return  # no record, no handler, nothing to fork
         kwargs["stacklevel"] = kwargs.get("stacklevel", 1) + 1  # the record names the plugin's caller, not this frame
         with forked():
             super().log(level, msg, *args, **kwargs)

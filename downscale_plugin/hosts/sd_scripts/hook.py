@@ -39,12 +39,9 @@ from ...fasterdit.direction_loss import direction_loss_scope
 from ...fasterdit.policies import RoutedSigmas
 from ...fasterdit.positions import positions_scope, require_interpolate
 from ...grid import area_downsample
-from ...rng import plugin_logger
 from ...router import RouteDecision, Router
 from ...scope import Patches
 from .families import BoundSampler, SamplerFamily
-
-logger = plugin_logger(__name__)
 
 WRAPPED_METHODS = ("get_noise_pred_and_target", "generate_step_logs")
 LOSS_METHOD = "process_batch"  # wrapped only when direction_loss_weight > 0

@@ -73,6 +73,7 @@ import numpy as np
 import torch
 from PIL import Image
 from ranks_checks import RANKS_ROUTES, RANKS_SEED
+from ranks_launch import frozen_modules_unwrapped, launch_ranks
 from run_recorder import recorder
 
 STEPS = int(os.environ.get("E2E_STEPS", 160))
@@ -735,78 +736,16 @@ def main(name: str, work: Path, *train_argv: str) -> None:
 LAUNCH_TIMEOUT = int(os.environ.get("E2E_LAUNCH_TIMEOUT", 420))  # s; a hung collective ends the launch here
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch_command(name: str, work: Path, processes: int, train_argv: Sequence[str]) -> list[str]:
-    """accelerate's launcher for ``processes`` CPU ranks on this machine. ``--num_processes N`` alone (or with
-    ``--cpu``) takes accelerate's simple launcher, which starts one process; ``--multi_gpu`` takes torchrun's, which
-    starts N, and each rank's Accelerator (ACCELERATE_USE_CPU, no visible GPU) then runs MULTI_CPU on gloo."""
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-        "--num_cpu_threads_per_process", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
-        os.path.abspath(__file__), "--rank", name, str(work), *train_argv,
-    ]  # fmt: skip
-
-
-def log_tails(work: Path, processes: int, chars: int = 6000) -> str:
-    paths = [work / "launch.log", *(work / f"rank{r}.log" for r in range(processes))]
-    return "\n".join(f"---- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in paths if p.exists())
-
-
-def printed(text: str) -> dict:
-    """The plugin's start banner and end summary in one rank's output (printed, or logged after a logger's prefix):
-    the banner's head lines, and each summary block (its head line and the indented lines that follow it)."""
-    import re
-
-    lines = text.splitlines()
-    banners = [line for line in lines if re.search(r"(^|:)downscale_plugin \S+: \w+ \(.*process\(es\)", line)]
-    summaries = []
-    for i, line in enumerate(lines):
-        if re.search(r"(^|:)downscale: \d+ train forwards", line):
-            block = [line]
-            for more in lines[i + 1 :]:
-                if not more.startswith("  "):
-                    break
-                block.append(more)
-            summaries.append("\n".join(block))
-    return {"banners": banners, "summaries": summaries}
-
-
 def main_ranks(name: str, work: Path, setup: dict, processes: int, train_argv: Sequence[str]) -> None:
     """Launch the training script as ``processes`` CPU ranks (each ``--rank`` below), then check and record what each
     rank recorded, the saved LoRA and what each rank printed (``record.json``: ``ranks``, one entry per rank)."""
-    import signal
-    import subprocess
-
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    with open(work / "launch.log", "w") as log:
-        proc = subprocess.Popen(
-            launch_command(name, work, processes, train_argv), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code = proc.wait(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired as late:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks (their own session)
-            proc.wait()
-            tails = log_tails(work, processes)
-            raise AssertionError(f"the {processes}-process launch ran past {LAUNCH_TIMEOUT} s (hung?)\n{tails}") from late
-    assert code == 0, f"the launch exited {code}\n{log_tails(work, processes)}"
-    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(processes)]
+    ranks = launch_ranks(__file__, work, processes, [name, str(work), *train_argv], LAUNCH_TIMEOUT)
     arch = ARCHS[name]
     for r, rank in enumerate(ranks):
-        assert rank["rank"] == r and rank["world_size"] == processes, (r, rank["rank"], rank["world_size"])
         assert len(rank["steps"]) == rank["forwards"], (r, len(rank["steps"]), rank["forwards"])
         check_grids(rank["steps"], setup["frames"], arch, rank["dit_inputs"])
         if setup["experts"] is not None:
             check_experts(rank["steps"], setup["experts"], rank["dit_weights"])
-        rank.update(printed((work / f"rank{r}.log").read_text(errors="replace")))
     from safetensors import safe_open
     from safetensors.torch import load_file
 
@@ -830,26 +769,6 @@ def main_ranks(name: str, work: Path, setup: dict, processes: int, train_argv: S
     disagreed = ranks[0]["totals"]["disagreed"]
     print(f"{name}: {processes} processes × {ranks[0]['forwards']} forwards; ranks disagreed on {disagreed:.0f}; LoRA {record['lora']}")
     print("E2E OK")
-
-
-def frozen_modules_unwrapped() -> None:
-    """accelerate's MULTI_CPU ``prepare_model`` wraps every model in DDP, which refuses one without a trainable
-    parameter ("DistributedDataParallel is not needed when a module doesn't have any parameter that requires a
-    gradient"): the trainer's frozen DiT (``accelerator.prepare(transformer)``, training/trainer_base.py). Its
-    multi-GPU branch leaves such a model unwrapped; this gives the CPU ranks that branch's behaviour."""
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType
-
-    real = Accelerator.prepare_model
-
-    @functools.wraps(real)
-    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
-        frozen = not any(p.requires_grad for p in model.parameters())
-        if self.distributed_type == DistributedType.MULTI_CPU and frozen:
-            evaluation_mode = True  # mixed precision and placement as usual, no DDP
-        return real(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-
-    Accelerator.prepare_model = prepare_model
 
 
 def rank_main(name: str, work: Path, *train_argv: str) -> None:

@@ -68,6 +68,7 @@ import toml
 import torch
 from PIL import Image
 from ranks_checks import RANKS_ROUTES, RANKS_SEED
+from ranks_launch import frozen_modules_unwrapped, launch_ranks
 from run_recorder import recorder
 from safetensors import safe_open
 from safetensors.torch import load_file, save_file
@@ -522,77 +523,12 @@ def load_lora(lora: Path, inner: str, models) -> int:
 # ---- several processes (``ranks``) -----------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    import socket
-
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-def launch_command(work: Path, processes: int, train_argv: tuple[str, ...]) -> list[str]:
-    """accelerate's launcher for ``processes`` CPU ranks on this machine. ``--num_processes N`` alone (or with
-    ``--cpu``) takes accelerate's simple launcher, which starts one process; ``--multi_gpu`` takes torchrun's, which
-    starts N, and each rank's Accelerator (ACCELERATE_USE_CPU, no visible GPU) then runs MULTI_CPU on gloo."""
-    return [
-        sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", str(processes), "--num_machines", "1",
-        "--num_cpu_threads_per_process", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
-        "--main_process_ip", "127.0.0.1", "--main_process_port", str(free_port()),
-        os.path.abspath(__file__), "--rank", "flux", str(work.resolve()), *train_argv,
-    ]  # fmt: skip
-
-
-def log_tails(work: Path, processes: int, chars: int = 6000) -> str:
-    paths = [work / "launch.log", *(work / f"rank{r}.log" for r in range(processes))]
-    return "\n".join(f"---- {p.name}\n{p.read_text(errors='replace')[-chars:]}" for p in paths if p.exists())
-
-
-def printed(text: str) -> dict:
-    """The plugin's start banner and end summary in one rank's output (printed, or logged after a logger's prefix):
-    the banner's head lines, and each summary block (its head line, from where it starts, and the indented lines
-    that follow it). The summary is printed right after the host's progress bar, which ends without a newline."""
-    import re
-
-    lines = text.splitlines()
-    banners = [line for line in lines if re.search(r"(^|:)downscale_plugin \S+: \w+ \(.*process\(es\)", line)]
-    summaries = []
-    for i, line in enumerate(lines):
-        head = re.search(r"downscale: \d+ train forwards", line)
-        if head:
-            block = [line[head.start() :]]
-            for more in lines[i + 1 :]:
-                if not re.match(r"  \S", more):  # its own lines; not the next log record (rich's indented continuation)
-                    break
-                block.append(more)
-            summaries.append("\n".join(block))
-    return {"banners": banners, "summaries": summaries}
-
-
 def main_ranks(work: Path, inner: str, models, train_argv: tuple[str, ...]) -> None:
     """Launch the training script as ``PROCESSES`` CPU ranks (each ``--rank`` below), then check and record what each
     rank recorded, the saved LoRA and what each rank printed (``record.json``: ``ranks``, one entry per rank)."""
-    import signal
-    import subprocess
-
-    env = {**os.environ, "ACCELERATE_USE_CPU": "1", "CUDA_VISIBLE_DEVICES": "", "OMP_NUM_THREADS": "1"}
-    with open(work / "launch.log", "w") as log:
-        proc = subprocess.Popen(
-            launch_command(work, PROCESSES, train_argv), env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            code = proc.wait(timeout=LAUNCH_TIMEOUT)
-        except subprocess.TimeoutExpired as late:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its ranks (their own session)
-            proc.wait()
-            raise AssertionError(
-                f"the {PROCESSES}-process launch ran past {LAUNCH_TIMEOUT} s (hung?)\n{log_tails(work, PROCESSES)}"
-            ) from late
-    assert code == 0, f"the launch exited {code}\n{log_tails(work, PROCESSES)}"
-    ranks = [json.loads((work / f"rank{r}.json").read_text()) for r in range(PROCESSES)]
+    ranks = launch_ranks(__file__, work, PROCESSES, ["flux", str(work.resolve()), *train_argv], LAUNCH_TIMEOUT)
     for r, rank in enumerate(ranks):
-        assert rank["rank"] == r and rank["world_size"] == PROCESSES, (r, rank["rank"], rank["world_size"])
         assert len(rank["steps"]) == len(rank["dit"]) == rank["forwards"], (r, len(rank["steps"]), len(rank["dit"]), rank["forwards"])
-        rank.update(printed((work / f"rank{r}.log").read_text(errors="replace")))
     lora = work / "out" / "lora.safetensors"
     with safe_open(str(lora), "pt") as f:
         meta = {k: v for k, v in (f.metadata() or {}).items() if k.startswith("ss_")}
@@ -609,34 +545,6 @@ def main_ranks(work: Path, inner: str, models, train_argv: tuple[str, ...]) -> N
     (work / "record.json").write_text(json.dumps(record, indent=1))
     print(f"ranks: {PROCESSES} processes × {ranks[0]['forwards']} forwards; ranks disagreed on {ranks[0]['totals']['disagreed']:.0f}")
     print("E2E OK")
-
-
-def frozen_modules_unwrapped() -> list:
-    """accelerate's MULTI_CPU ``prepare_model`` wraps every model in DDP, which refuses one without a trainable
-    parameter ("DistributedDataParallel is not needed when a module doesn't have any parameter that requires a
-    gradient"): the trainer's frozen Flux (``prepare_unet_with_accelerator``: ``accelerator.prepare(unet)``,
-    train_network.py; the LoRA's parameters live in the network, not in the DiT). Its multi-GPU branch leaves such a
-    model unwrapped; this gives the CPU ranks that branch's behaviour (the network is still wrapped in DDP). Returns
-    the list it fills: per prepared model, its class and what ``prepare_model`` returned."""
-    import functools
-
-    from accelerate import Accelerator
-    from accelerate.utils import DistributedType
-
-    real = Accelerator.prepare_model
-    prepared: list = []
-
-    @functools.wraps(real)
-    def prepare_model(self, model, device_placement=None, evaluation_mode=False):
-        frozen = not any(p.requires_grad for p in model.parameters())
-        if self.distributed_type == DistributedType.MULTI_CPU and frozen:
-            evaluation_mode = True  # placement as usual, no DDP
-        out = real(self, model, device_placement=device_placement, evaluation_mode=evaluation_mode)
-        prepared.append([type(model).__name__, type(out).__name__])
-        return out
-
-    Accelerator.prepare_model = prepare_model
-    return prepared
 
 
 def dit_recorder() -> list:

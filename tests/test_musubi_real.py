@@ -93,15 +93,20 @@ class Setup:
             m["qwen_utils"].resolve_model_version_args(self.args)
         self.trainer.handle_model_specific_args(self.args)
         self._as_load_transformer()
-        self.accelerator = m["accelerator"](self.args)
+        self._train_parts()
+        embed = self.model.patch_embedding if arch == "wan" else self.model.img_in
+        embed.register_forward_hook(lambda mod, i, o: self.inputs.append(tuple(i[0].shape)))
+
+    def _train_parts(self) -> None:
+        """The accelerator, the network through the trainer's ``_build_network``, an SGD optimizer over its parameters,
+        the loop's scheduler, and the list the DiT's patch-embedding hook fills."""
+        self.accelerator = self.m["accelerator"](self.args)
         self.network = self._build()
         self.network.prepare_grad_etc(self.model)
         params, _ = self.network.prepare_optimizer_params(unet_lr=1e-2)
         self.optimizer = torch.optim.SGD(params, lr=1e-2)
-        self.scheduler = m["Scheduler"](shift=self.args.discrete_flow_shift, reverse=True, solver="euler")
+        self.scheduler = self.m["Scheduler"](shift=self.args.discrete_flow_shift, reverse=True, solver="euler")
         self.inputs: list[tuple[int, ...]] = []
-        embed = self.model.patch_embedding if arch == "wan" else self.model.img_in
-        embed.register_forward_hook(lambda mod, i, o: self.inputs.append(tuple(i[0].shape)))
 
     def _model(self, dit: str):
         from safetensors.torch import save_file

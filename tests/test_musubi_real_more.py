@@ -141,13 +141,7 @@ class TinySetup(Setup):
         self.trainer.handle_model_specific_args(self.args)
         self.trainer.blocks_to_swap = 0
         self.trainer.num_timestep_buckets = self.args.num_timestep_buckets
-        self.accelerator = m["accelerator"](self.args)
-        self.network = self._build()
-        self.network.prepare_grad_etc(self.model)
-        params, _ = self.network.prepare_optimizer_params(unet_lr=1e-2)
-        self.optimizer = torch.optim.SGD(params, lr=1e-2)
-        self.scheduler = m["Scheduler"](shift=self.args.discrete_flow_shift, reverse=True, solver="euler")
-        self.inputs: list[tuple[int, ...]] = []
+        self._train_parts()
         embed = self.model.all_x_embedder["2-1"] if arch == "z_image" else self.model.img_in
         embed.register_forward_hook(lambda mod, i, o: self.inputs.append(tuple(i[0].shape)))
         self.ropes: list[tuple[tuple[int, ...], int]] = []  # HunyuanVideo 1.5: (F, H, W) of each RoPE built, its tokens

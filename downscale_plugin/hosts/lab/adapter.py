@@ -27,28 +27,15 @@ from ...lab.model import LabModelConfig, flop_shape
 from ...plan import Plan, plan_table
 from ...router import RouteDecision, Router
 from ...scope import Patches
-from ...sigma import SigmaSampler
 from ..kohya.run import carry_native
 from ..sd_scripts.families import FlowFamily
 from ..sd_scripts.hook import DownscaleHook, StepOptions
 from ..sd_scripts.map import MapHook
 from .auto import LabAutoSession
+from .sampler import lab_sampler
 
 # The lab trainer keeps the Flux trainer contract: Flux packing (patch 2) and ids from flux_utils.prepare_img_ids.
 LAB_ARCH = ArchSpec("lab", multiple=2, patch=2, vae_factor=FACTOR, positions="img_ids")
-
-
-def lab_sampler(args: argparse.Namespace) -> SigmaSampler:
-    """The lab trainer's σ sampler as a ``plan`` sampler (same formulas as its sampler module)."""
-    return SigmaSampler(
-        mode=args.timestep_sampling,
-        sigmoid_scale=args.sigmoid_scale,
-        discrete_flow_shift=args.discrete_flow_shift,
-        weighting_scheme=args.weighting_scheme,
-        logit_mean=args.logit_mean,
-        logit_std=args.logit_std,
-        mode_scale=args.mode_scale,
-    )
 
 
 @dataclass

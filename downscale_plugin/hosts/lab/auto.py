@@ -71,7 +71,7 @@ class LabAutoSession:
 
     def certify(self, trainer: Any, hook: MapHook, arguments: dict[str, Any]) -> None:
         from ...mapping.in_run import certify_in_run
-        from .adapter import lab_sampler
+        from .sampler import lab_sampler
 
         cfg = self.plugin.cfg
         rest = {k: v for k, v in arguments.items() if k not in ("self", "batch")}

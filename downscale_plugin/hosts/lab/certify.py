@@ -14,7 +14,7 @@ from ...mapping.certify_cli import Mass, register_sigma_mass
 
 def lab_sigma_mass(backend: Any) -> tuple[Mass, str]:
     """P(lo < σ ≤ hi) for the lab trainer's sampler on the backend's native grid (a point bin: 0, the laws are continuous)."""
-    from .adapter import lab_sampler
+    from .sampler import lab_sampler
 
     sampler, hw = lab_sampler(backend.args), backend.cfg.native_hw
     args = backend.args

@@ -35,7 +35,7 @@ from ...sigma import ContinuousLaw
 from ..kohya.conventions import config_from_command_line, config_from_training_toml
 from .buckets import MusubiBuckets, latent_frames
 from .facts import BY_ARCH, MUSUBI_ARCHS, REFUSED_TRAINERS, SUPPORTED, HostError
-from .family import FLOW_MODES, MusubiFamily, PlanSampler, flow_law
+from .family import FLOW_MODES, MusubiFamily, flow_law, run_sampler
 
 TRAINER_BASE = "musubi_tuner.training.trainer_base"  # NetworkTrainer and FlowMatchDiscreteScheduler
 TIMESTEP_SAMPLING = ("sigma", *FLOW_MODES)  # --timestep_sampling's choices (training/parser_common.py)
@@ -221,9 +221,9 @@ def host_sampler(arch: str, host: HostArgs) -> tuple[Sampler, str]:
     if base is not None:
         trainer = base.NetworkTrainer()
         trainer.num_timestep_buckets = args.num_timestep_buckets
-        scheduler = base.FlowMatchDiscreteScheduler(shift=args.discrete_flow_shift, reverse=True, solver="euler")
-        sampler = PlanSampler(MusubiFamily(trainer, BY_ARCH[arch]), args, scheduler, torch.bfloat16)
-        return sampler, f"{text}; musubi-tuner's NetworkTrainer.get_noisy_model_input_and_timesteps"
+        return run_sampler(
+            MusubiFamily(trainer, BY_ARCH[arch]), args, torch.bfloat16
+        ), f"{text}; musubi-tuner's NetworkTrainer.get_noisy_model_input_and_timesteps"
     if args.timestep_sampling in FLOW_MODES and not args.preserve_distribution_shape and flow_law(args, (64, 64)) is not None:
         return LawSampler(args), f"{text}; exact law (musubi-tuner not importable)"
     exact = ", ".join(m for m in FLOW_MODES if flow_law(SimpleNamespace(**{**vars(args), "timestep_sampling": m}), (64, 64)))

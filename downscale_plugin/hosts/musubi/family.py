@@ -26,6 +26,7 @@ through the host's own bucket path; each bucketed uniform is marginally uniform 
 from __future__ import annotations
 
 import math
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
@@ -273,3 +274,15 @@ class PlanSampler:
     def law(self, latent_hw: tuple[int, int]) -> SigmaLaw | None:
         law = self._bind(latent_hw).law
         return None if law is None else law.law
+
+
+def loop_scheduler(trainer: Any, args: Any) -> Any:
+    """The scheduler the loop builds, ``FlowMatchDiscreteScheduler(shift=--discrete_flow_shift, reverse=True,
+    solver="euler")``, from the trainer base class's own module (the scheduler-grid σ of ``timestep_sampling = "sigma"``)."""
+    base = next(cls for cls in type(trainer).__mro__ if cls.__name__ == BASE_TRAINER)
+    return sys.modules[base.__module__].FlowMatchDiscreteScheduler(shift=args.discrete_flow_shift, reverse=True, solver="euler")
+
+
+def run_sampler(family: MusubiFamily, args: Any, dit_dtype: Any) -> PlanSampler:
+    """The run's own sampler as a ``plan`` sampler: what the start banner's plan and ``mode = "auto"``'s σ mass draw from."""
+    return PlanSampler(family, args, loop_scheduler(family.trainer, args), dit_dtype or torch.bfloat16)

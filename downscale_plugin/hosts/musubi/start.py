@@ -24,11 +24,8 @@ from __future__ import annotations
 
 import json
 import os
-import sys
 from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from ...arch import get_arch
 from ...config import FasterDitConfig
@@ -41,7 +38,7 @@ from ..kohya.conventions import plugin_config
 from ..kohya.run import COUNTS_FILE, DownscaleRun, Routing, shared_seed, show, version
 from .buckets import MusubiBuckets, musubi_buckets
 from .facts import BASE_TRAINER, SUPPORTED, HostError, MusubiArch, trainer_arch
-from .family import MusubiFamily, PlanSampler
+from .family import MusubiFamily, run_sampler
 from .hook import ProcessBatchHook
 from .trainer import TrainerContext, check_methods, check_run, find_trainer
 
@@ -135,13 +132,6 @@ def refuse_unsupported(cfg: Any) -> None:
         )
 
 
-def noise_scheduler(trainer: Any, args: Any) -> Any:
-    """The scheduler the loop builds, ``FlowMatchDiscreteScheduler(shift=--discrete_flow_shift, reverse=True,
-    solver="euler")``, from the trainer base class's own module (the plan's scheduler-grid σ)."""
-    base = next(cls for cls in type(trainer).__mro__ if cls.__name__ == BASE_TRAINER)
-    return sys.modules[base.__module__].FlowMatchDiscreteScheduler(shift=args.discrete_flow_shift, reverse=True, solver="euler")
-
-
 def routing(
     ctx: TrainerContext, family: MusubiFamily, cfg: Any, arch: str, seed: int, buckets: MusubiBuckets, resumed: ResumedForwards
 ) -> Routing:
@@ -152,9 +142,8 @@ def routing(
     plan = None
     flops = run_flops(arch, buckets, args)
     if int(accelerator.process_index) == 0 and buckets.latent_buckets and (cfg.mode == "train" or cfg.routes):  # auto: once certified
-        sampler = PlanSampler(family, args, noise_scheduler(ctx.trainer, args), ctx.dit_dtype or torch.bfloat16)
         plan = plan_table(
-            cfg, arch, sampler, buckets.latent_buckets, buckets.batch_size, buckets.weights,
+            cfg, arch, run_sampler(family, args, ctx.dit_dtype), buckets.latent_buckets, buckets.batch_size, buckets.weights,
             flop_model=flops, total_forwards=_forwards(args), mc_samples=PLAN_MC_SAMPLES, seed=0,
             world_size=int(accelerator.num_processes),
         )  # fmt: skip

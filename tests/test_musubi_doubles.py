@@ -397,6 +397,25 @@ def test_a_resumed_run_routes_on_where_the_saved_run_stopped(tmp_path):
     assert routes == whole and len(set(whole)) == 2
 
 
+def test_the_resumed_forwards_divide_by_the_processes_that_saved_the_counts(tmp_path, caplog):
+    """The counts are sums over the saving run's processes: forwards per rank divide by that number, not this run's
+    (saved on 1, resumed on 2: 6 forwards, not 3); a file from an older plugin, without it, is read as this run's
+    number, with a warning when that is more than one (tests/test_musubi_ranks.py resumes a two-rank state on one)."""
+    from downscale_plugin.hosts.kohya.run import COUNTS_FILE
+    from downscale_plugin.hosts.musubi.start import ResumedForwards
+
+    def resumed(payload: dict) -> int:
+        (tmp_path / COUNTS_FILE).write_text(json.dumps({"counts": {"steps": [2, 4]}, **payload}))
+        forwards = ResumedForwards(world_size=2)
+        forwards.load(None, str(tmp_path))
+        return forwards.forwards
+
+    with caplog.at_level("WARNING", logger="downscale_plugin"):
+        assert resumed({"processes": 1}) == 6 and not caplog.records
+        assert resumed({}) == 3
+    assert "does not say how many processes saved it" in caplog.text
+
+
 def test_the_startup_check_reads_a_musubi_command_line():
     """The kohya conventions are musubi-tuner's too: a bad key stops the script before any model loads."""
     from downscale_plugin.hosts.kohya.conventions import startup_report

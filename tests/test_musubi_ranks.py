@@ -5,7 +5,8 @@ Each rank runs its own seed and its own data, as an unseeded musubi-tuner run dr
 accelerator follows accelerate under the process group (ranks, ``reduce``, barriers, trackers on the main
 process), and the loop saves on the main process only, as training/trainer_base.py does. Asserted: the ranks
 route identically every step with per-rank σ; the counts are summed over ranks; only the main process logs and
-saves; ``--save_state``/``--resume`` keeps the whole run's counts and the forward index; ranks on different
+saves; ``--save_state``/``--resume`` keeps the whole run's counts and the forward index, also resumed on one process
+from a state two ranks saved; ranks on different
 buckets count the steps where their routes disagree.
 """
 
@@ -17,10 +18,13 @@ import socket
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors import safe_open
+
+from downscale_plugin.hosts.kohya.run import COUNTS_FILE
 
 DOUBLES = str(Path(__file__).parent / "doubles")
 
@@ -118,6 +122,8 @@ def test_two_gloo_ranks_route_identically_every_step(tmp_path):
 
 # -- --save_state on the main process, both ranks --resume -------------------------------------------
 
+RESUMED = {"routes": [{"scale": 0.5, "sigma_min": 0.5}]}
+
 
 def _resume_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """A run that saves its state at step 4 (main process), then both ranks resume from it."""
@@ -126,7 +132,7 @@ def _resume_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         import musubi_trainers
 
         common = ("--timestep_sampling", "sigmoid", "--batch_size", "2", "--items_per_bucket", "8", "--max_train_steps", "8")
-        downscale = {"routes": [{"scale": 0.5, "sigma_min": 0.5}]}
+        downscale = RESUMED
         cls = musubi_trainers.QwenImageNetworkTrainer
         first_dir = os.path.join(out_dir, f"first{rank}")
         first = _train(
@@ -152,12 +158,19 @@ def _resume_rank(rank: int, world: int, port: int, out_dir: str) -> None:
         dist.destroy_process_group()
 
 
-def test_two_gloo_ranks_resume_with_the_whole_runs_counts(tmp_path):
+@pytest.fixture(scope="module")
+def resumed_ranks(tmp_path_factory) -> tuple[Path, dict, dict]:
+    """The two-rank run that saved its state at step 4 and resumed from it (its directory, both ranks' records)."""
+    out = tmp_path_factory.mktemp("resume")
+    return (out, *_spawn(_resume_rank, out))
+
+
+def test_two_gloo_ranks_resume_with_the_whole_runs_counts(resumed_ranks):
     """The main process saves the cross-rank totals with its state at step 4; on ``--resume`` every rank reads the
     resumed forwards (total / ranks) and only the main process adds the totals back, so the totals and
     ``ss_downscale_counts`` are the whole run's on every rank, not doubled. musubi-tuner restarts global_step at 0
     and trains ``max_train_steps`` again: the router's forward n is absolute forward 4 + n."""
-    r0, r1 = _spawn(_resume_rank, tmp_path)
+    tmp_path, r0, r1 = resumed_ranks
     assert os.listdir(tmp_path / "first0") and not (tmp_path / "first1").exists()  # saves: the main process only
     steps = [f"last-step{n:08d}{ext}" for n in (4, 8) for ext in ("-state", ".safetensors")]
     assert sorted(os.listdir(tmp_path / "first0")) == sorted(["last-state", "last.safetensors", *steps])
@@ -170,6 +183,24 @@ def test_two_gloo_ranks_resume_with_the_whole_runs_counts(tmp_path):
     # the resumed forwards 1–4 are absolute 5–8: they route as the saved run's 5–8, on both ranks
     assert r0["resumed"] == r1["resumed"] and r0["first"] == r1["first"]
     assert r0["resumed"][:4] == r0["first"][4:8] and len({shape[1] for shape in r0["first"] + r0["resumed"]}) == 2
+
+
+def test_a_state_saved_on_two_ranks_resumes_on_one_process_at_the_same_forward(resumed_ranks, monkeypatch):
+    """The counts in the state are sums over the two ranks that saved it (8 forwards = 4 per rank); a run resumed on one
+    process goes on at absolute forward 4, not 8, so its forwards 1–4 route as the saved run's 5–8 (the route is a
+    function of the shared seed, rank 0's 100, and the absolute forward index)."""
+    tmp_path, r0, _ = resumed_ranks
+    monkeypatch.syspath_prepend(DOUBLES)
+    import musubi_trainers
+
+    state = str(tmp_path / "first0" / "last-step00000004-state")
+    common = ("--timestep_sampling", "sigmoid", "--batch_size", "2", "--items_per_bucket", "8", "--max_train_steps", "8")
+    out = str(tmp_path / "one")
+    one = _train(musubi_trainers.QwenImageNetworkTrainer, *common, *_mine(0), "--resume", state, "--output_dir", out, downscale=RESUMED)
+    run = one.last_network.downscale_run
+    assert run.router.resume_offset == 4 and run.totals.total_steps == 4 * 2 + 8
+    assert [c["tokens"] for c in one.last_transformer.calls][:4] == r0["first"][4:8]
+    assert json.loads((Path(state) / COUNTS_FILE).read_text())["processes"] == 2
 
 
 # -- ranks on different buckets ------------------------------------------------------------------------

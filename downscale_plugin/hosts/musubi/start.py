@@ -51,7 +51,13 @@ LOGS_METHOD = "generate_step_logs"
 class ResumedForwards:
     """The adapter's train forwards before this run (per rank), from the plugin's counts in the state that
     ``--resume`` loads: every rank reads them at ``accelerator.load_state``, which the trainer runs after
-    ``prepare_network`` and before the loop (training/trainer_base.py). The counts are cross-rank sums."""
+    ``prepare_network`` and before the loop (training/trainer_base.py).
+
+    The counts are sums over the *saving* run's processes, each of which ran every forward: forwards per rank is
+    their total over the number of processes that saved them (``processes`` in the file), whatever this run's
+    number, so a run resumed on another number of processes goes on at the same forward index, and its spans and
+    step draws continue the saved run's stream. A file without that number (an older plugin) is read as saved on
+    this run's number of processes, with a warning when that is more than one."""
 
     def __init__(self, world_size: int):
         self.world_size = world_size
@@ -59,9 +65,21 @@ class ResumedForwards:
 
     def load(self, models: Any, input_dir: str) -> None:
         path = os.path.join(input_dir, COUNTS_FILE)
-        if os.path.isfile(path):
-            with open(path, encoding="utf-8") as f:
-                self.forwards = round(sum(json.load(f)["counts"]["steps"]) / self.world_size)
+        if not os.path.isfile(path):
+            return
+        with open(path, encoding="utf-8") as f:
+            saved = json.load(f)
+        processes = saved.get("processes")
+        if processes is None:
+            processes = self.world_size
+            if processes > 1:
+                logger.warning(
+                    "downscale_plugin: %s does not say how many processes saved it (an older plugin): read as %d, this run's "
+                    "number; if it was saved on another number, the spans and step draws do not continue the saved run's",
+                    path,
+                    processes,
+                )
+        self.forwards = round(sum(saved["counts"]["steps"]) / int(processes))
 
 
 class MusubiRouter(Router):

@@ -33,6 +33,7 @@ from rng_trap import PLUGIN_DIR, NativeStepCheck, RngTrap, rng_states, same
 
 from downscale_plugin import rng
 from downscale_plugin.hosts.sd_scripts import auto as _auto  # noqa: F401  # loaded before the trap wraps each module's seed_forked
+from downscale_plugin.hosts.sd_scripts import families as sd_scripts_families
 from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
 from downscale_plugin.mapping import certify as _certify  # noqa: F401
 from downscale_plugin.router import Router
@@ -99,8 +100,8 @@ def rng_trap():
 @pytest.mark.parametrize("arch", list(FAMILIES))
 def test_a_whole_train_run_never_reseeds_or_rewinds_a_global_generator(arch, rng_trap, monkeypatch):
     samples = []
-    sample = sd_scripts_start.HostSampler.sample
-    monkeypatch.setattr(sd_scripts_start.HostSampler, "sample", lambda self, *a, **k: samples.append(a[0]) or sample(self, *a, **k))
+    sample = sd_scripts_families.HostSampler.sample
+    monkeypatch.setattr(sd_scripts_families.HostSampler, "sample", lambda self, *a, **k: samples.append(a[0]) or sample(self, *a, **k))
     noise = ALL_NOISE if FAMILIES[arch] == "ddpm" else IP
     argv = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "8", "--seed", "4", *noise)
     low, high = THIRD[FAMILIES[arch]]
@@ -149,7 +150,7 @@ def _old_banner_sample(self, n, latent_hw, generator=None):
 
 
 def test_the_trap_catches_the_783fcdb_banner_reseed(rng_trap, monkeypatch):
-    monkeypatch.setattr(sd_scripts_start.HostSampler, "sample", _old_banner_sample)
+    monkeypatch.setattr(sd_scripts_families.HostSampler, "sample", _old_banner_sample)
     seeded_run("flux", "--resolution", RES, "--max_train_steps", "2", "--seed", "4", downscale=SOME_ROUTED)
     found = "\n".join(rng_trap.violations)
     assert "torch.manual_seed(0,) under plugin code at downscale_plugin/plan.py" in found  # the banner's reseed ...

@@ -28,12 +28,13 @@ from __future__ import annotations
 
 import copy
 from collections.abc import Callable
-from dataclasses import replace
+from dataclasses import dataclass, field, replace
 from types import ModuleType
 from typing import Any, Protocol
 
 import torch
 
+from ...rng import forked, seed_forked
 from ...scope import swap_attr
 from ...sigma import LAW_MODES, SigmaLaw, SigmaSampler, ddpm_law, ddpm_t_to_sigma, grid_law, sd3_law, sigma_to_ddpm_t
 from ..kohya.pool import BoundSampler, Pool, PooledLaw, record_pairs
@@ -41,6 +42,7 @@ from ..kohya.pool import BoundSampler, Pool, PooledLaw, record_pairs
 FLOW_CONTRACTS = ("flux", "lumina", "sd3")
 # Modes whose σ depends on the latent's h, w (the μ shift): candidates must keep the native grid.
 GRID_DEPENDENT_MODES = ("flux_shift", "nextdit_shift")
+_MC_CHUNK = 256  # grid-dependent samplers allocate a latent-sized tensor per σ
 
 
 class SamplerFamily(Protocol):
@@ -222,3 +224,31 @@ class DDPMFamily:
         atoms = ddpm_law(t_min, t_max, alphas)
         law = PooledLaw(replace(atoms, values=atoms.values.double()), pool)  # classified as the float64 keys _record hands the router
         return BoundSampler(first, draw, replay, pool, law)
+
+
+@dataclass(frozen=True)
+class HostSampler:
+    """The host's own σ sampler as a ``plan`` sampler (Monte Carlo; every host mode, exact quantisation).
+
+    Draws are cached per (n, seed) unless the mode's σ depends on the latent grid, so a run with many
+    buckets pays for one sample.
+    """
+
+    family: SamplerFamily
+    args: Any
+    noise_scheduler: Any
+    dtype: Any
+    cache: dict = field(default_factory=dict, compare=False)
+
+    has_closed_form = False
+
+    def sample(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator | None = None) -> torch.Tensor:
+        seed = generator.initial_seed() if generator is not None else 0
+        grid_dependent = getattr(self.args, "timestep_sampling", None) in GRID_DEPENDENT_MODES
+        key = (n, seed, tuple(latent_hw) if grid_dependent else None)
+        if key not in self.cache:
+            with forked():  # the host's sampler draws on the CPU here; forked() also keeps random/NumPy
+                seed_forked(seed)
+                bound = self.family.bind(self.args, self.noise_scheduler, torch.zeros(1, 1, *latent_hw), "cpu", self.dtype)
+                self.cache[key] = torch.cat([bound.draw(min(_MC_CHUNK, n - i)) for i in range(0, n, _MC_CHUNK)]).float()
+        return self.cache[key]

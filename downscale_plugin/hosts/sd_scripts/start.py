@@ -24,15 +24,12 @@ collective would deadlock), and only the main process logs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
 from typing import Any
-
-import torch
 
 from ...arch import get_arch
 from ...config import DownscaleConfig, foreign_windows
 from ...plan import Plan, format_plan, plan_table
-from ...rng import accelerator_devices, forked, plugin_logger, seed_forked
+from ...rng import accelerator_devices, plugin_logger
 from ...router import RouteDecision, Router
 from ...scope import Patches
 from ...text import fasterdit_text, route_rows
@@ -40,11 +37,11 @@ from ..kohya.conventions import model_identity, plugin_config
 from ..kohya.run import DownscaleRun, Routing, shared_seed, show, version
 from .buckets import DatasetBuckets, dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
-from .families import GRID_DEPENDENT_MODES, SamplerFamily
+from .families import SamplerFamily
 from .flop_args import run_flops
 from .hook import DownscaleHook
 from .resume import HostResume, banner_line, read_host_state
-from .trainer import TrainerContext, detect_arch, find_trainer, make_family, step_options
+from .trainer import TrainerContext, detect_arch, find_trainer, make_family, plan_sampler, step_options
 
 logger = plugin_logger(__name__)
 
@@ -53,7 +50,6 @@ EXPLICIT_STEP_HOOK = "noise_pred_and_target_hook"
 EXPLICIT_LOGS_HOOK = "step_logs_hook"
 
 PLAN_MC_SAMPLES = 8192  # σ draws per bucket for the banner's predicted fractions (±0.6 % at p = 0.5)
-_MC_CHUNK = 256  # grid-dependent samplers allocate a latent-sized tensor per σ
 
 
 def host_warnings(args: Any, arch: str, cfg: DownscaleConfig, world_size: int) -> list[str]:
@@ -69,34 +65,6 @@ def host_warnings(args: Any, arch: str, cfg: DownscaleConfig, world_size: int) -
     if cfg.gate == "strict" and world_size > 1:
         notes.append("gate = strict with several processes: ranks route independently and wait for the slowest at each all-reduce")
     return notes
-
-
-@dataclass(frozen=True)
-class HostSampler:
-    """The host's own σ sampler as a ``plan`` sampler (Monte Carlo; every host mode, exact quantisation).
-
-    Draws are cached per (n, seed) unless the mode's σ depends on the latent grid, so a run with many
-    buckets pays for one sample.
-    """
-
-    family: SamplerFamily
-    args: Any
-    noise_scheduler: Any
-    dtype: Any
-    cache: dict = field(default_factory=dict, compare=False)
-
-    has_closed_form = False
-
-    def sample(self, n: int, latent_hw: tuple[int, int], generator: torch.Generator | None = None) -> torch.Tensor:
-        seed = generator.initial_seed() if generator is not None else 0
-        grid_dependent = getattr(self.args, "timestep_sampling", None) in GRID_DEPENDENT_MODES
-        key = (n, seed, tuple(latent_hw) if grid_dependent else None)
-        if key not in self.cache:
-            with forked():  # the host's sampler draws on the CPU here; forked() also keeps random/NumPy
-                seed_forked(seed)
-                bound = self.family.bind(self.args, self.noise_scheduler, torch.zeros(1, 1, *latent_hw), "cpu", self.dtype)
-                self.cache[key] = torch.cat([bound.draw(min(_MC_CHUNK, n - i)) for i in range(0, n, _MC_CHUNK)]).float()
-        return self.cache[key]
 
 
 class HostRouter(Router):
@@ -125,8 +93,7 @@ def _predict(
     """The plan for this run's buckets under the host's own sampler (banner, predicted fractions)."""
     if not buckets.latent_buckets:
         return None
-    scheduler = ctx.trainer.get_noise_scheduler(ctx.args, torch.device("cpu"))
-    sampler = HostSampler(family, ctx.args, scheduler, ctx.weight_dtype or torch.float32)
+    sampler = plan_sampler(ctx, family)
     total = int(ctx.args.max_train_steps) * int(getattr(ctx.args, "gradient_accumulation_steps", 1) or 1)
     hw, weights, batch = buckets.latent_buckets, buckets.weights, buckets.batch_size
     return plan_table(

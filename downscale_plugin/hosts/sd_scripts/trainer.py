@@ -13,10 +13,12 @@ from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
 
+import torch
+
 from ...arch import get_arch
 from ...config import DownscaleConfig
 from .facts import LOSS_HANDLE, SUPPORTED, HostError, TrainerArch, trainer_arch
-from .families import DDPMFamily, FlowFamily, SamplerFamily
+from .families import DDPMFamily, FlowFamily, HostSampler, SamplerFamily
 from .hook import StepOptions
 
 
@@ -73,6 +75,12 @@ def make_family(record: TrainerArch) -> SamplerFamily:
         return DDPMFamily(module) if contract == "ddpm" else FlowFamily(module, contract)
     except (ImportError, AttributeError) as err:
         raise HostError(f"{record.arch}: missing hook point: {err}; {SUPPORTED}") from err
+
+
+def plan_sampler(ctx: TrainerContext, family: SamplerFamily) -> HostSampler:
+    """The run's σ sampler as ``plan`` draws it (``sample(n, latent_hw, generator)``): the family on the trainer's own scheduler, on the CPU."""
+    scheduler = ctx.trainer.get_noise_scheduler(ctx.args, torch.device("cpu"))
+    return HostSampler(family, ctx.args, scheduler, ctx.weight_dtype or torch.float32)
 
 
 def _handle_module(arch: str, name: str, attr: str) -> ModuleType:

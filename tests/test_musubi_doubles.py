@@ -397,6 +397,41 @@ def test_a_resumed_run_routes_on_where_the_saved_run_stopped(tmp_path):
     assert routes == whole and len(set(whole)) == 2
 
 
+@pytest.mark.parametrize(
+    ("argv", "expected"),
+    [
+        (("--compile", "--compile_cache_size_limit", "2"), "3 grid shapes in all"),
+        (("--compile", "--compile_dynamic", "false"), "within torch._dynamo.config.cache_size_limit = 8"),
+        (("--compile", "--compile_dynamic", "true"), None),  # dynamic shapes: nothing to recompile per grid
+        ((), None),
+    ],
+)
+def test_compile_warns_with_the_grids_the_routes_add(tmp_path, caplog, argv, expected):
+    """Buckets 64² and 128² (latent 8² and 16²) at ratio 0.5: the routes run 4² and 8², and 8² is a bucket's own grid,
+    so they add one shape to two; the warning names it, the total and dynamo's limit (given, or torch's own)."""
+    with caplog.at_level("WARNING", logger="downscale_plugin"):
+        run("QwenImageNetworkTrainer", "--buckets", "64x64", "128x128", *argv, tmp_path=tmp_path, downscale=ALL_ROUTED)
+    warned = [r.getMessage() for r in caplog.records if "--compile" in r.getMessage()]
+    if expected is None:
+        assert not warned
+        return
+    assert len(warned) == 1 and expected in warned[0], warned
+    assert "the routes add 1 latent grid(s) (4x4) to the buckets' 2" in warned[0]
+    if "2" in argv:
+        assert "more than --compile_cache_size_limit = 2: past it dynamo runs the blocks eagerly" in warned[0]
+
+
+def test_an_in_run_measurement_adds_every_measured_ratios_grid():
+    """``mode = "map"`` / ``"auto"`` draw at each ``map_ratios`` grid of every bucket before any route exists."""
+    from downscale_plugin.hosts.musubi.buckets import MusubiBuckets
+    from downscale_plugin.hosts.musubi.compile import routed_grids
+
+    cfg = load_config(table={"mode": "map", "map_out": "out", "map_ratios": [0.75, 0.5]})
+    buckets = MusubiBuckets([(8, 8), (16, 16)], [1.0, 1.0], 1, [1.0, 1.0])
+    assert routed_grids(cfg, "qwen_image", buckets, measured=True) == [(4, 4), (6, 6), (12, 12)]  # 8² is a bucket's own
+    assert routed_grids(cfg, "qwen_image", buckets, measured=False) == []
+
+
 def test_the_resumed_forwards_divide_by_the_processes_that_saved_the_counts(tmp_path, caplog):
     """The counts are sums over the saving run's processes: forwards per rank divide by that number, not this run's
     (saved on 1, resumed on 2: 6 forwards, not 3); a file from an older plugin, without it, is read as this run's

@@ -639,6 +639,11 @@ def setup_parser() -> argparse.ArgumentParser:
     p.add_argument("--items_per_bucket", type=int, default=2)
     p.add_argument("--data_seed", type=int, default=1234)
     p.add_argument("--buckets", type=lambda s: tuple(int(x) for x in s.split("x")), nargs="+", default=[(64, 64)])
+    # training/parser_common.py's --compile options, parsed and not applied: the tiny DiT is never compiled
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile_backend", type=str, default="inductor")
+    p.add_argument("--compile_dynamic", type=str, default=None, choices=["true", "false", "auto"])
+    p.add_argument("--compile_cache_size_limit", type=int, default=None)
     p.add_argument("--task", default="t2v-14B")
     p.add_argument("--dit_high_noise", default=None)
     p.add_argument("--timestep_boundary", type=int, default=None)

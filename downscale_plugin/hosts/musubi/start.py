@@ -37,6 +37,7 @@ from ...text import fasterdit_text, route_rows
 from ..kohya.conventions import plugin_config
 from ..kohya.run import COUNTS_FILE, DownscaleRun, Routing, shared_seed, show, version
 from .buckets import MusubiBuckets, musubi_buckets
+from .compile import compile_warning
 from .facts import BASE_TRAINER, SUPPORTED, HostError, MusubiArch, trainer_arch
 from .family import MusubiFamily, run_sampler
 from .hook import ProcessBatchHook
@@ -197,6 +198,10 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
     seed = shared_seed(cfg.seed if cfg.seed is not None else int(args.seed or 0), accelerator)
     buckets = musubi_buckets(ctx.dataset_group, get_arch(record.arch).vae_factor, record.frame_stride)
+    measured = cfg.mode == "map" or (cfg.mode == "auto" and cfg.certify.budget > 0)
+    compiled = compile_warning(args, cfg, record.arch, buckets, measured)
+    if compiled and rank == 0:
+        logger.warning("%s", compiled)
     resumed = ResumedForwards(world)
     run = DownscaleRun(cfg, record.arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, record.arch, seed, buckets, resumed))
     session = None

@@ -455,7 +455,7 @@ def test_the_real_wan_loop_certifies_in_the_run_and_trains_with_the_windows(musu
     out = tmp_path / "auto"
     keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
             "ds_certify_draws=4", "ds_map_margin=0.99"]  # fmt: skip
-    inputs = _train_wan(musubi, tmp_path, keys, 168, "--gradient_checkpointing")  # autograd.grad through its checkpoints
+    inputs = _train_wan(musubi, tmp_path, keys, 168, "--gradient_checkpointing")  # the measurement's backward through its checkpoints
     windows = (out / "windows.toml").read_text()
     blob = json.loads((out / "certify.json").read_text())
     assert 'windows_arch = "wan"' in windows and 'windows_native = "8x8"' in windows and "[[routes]]" in windows

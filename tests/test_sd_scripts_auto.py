@@ -45,16 +45,26 @@ def test_budget_zero_is_the_plain_run_bitwise(tmp_path):
     assert not (tmp_path / "auto").exists()
 
 
-@pytest.mark.parametrize("arch", ["flux", "anima"])
-def test_a_certification_that_opens_nothing_leaves_training_bitwise_the_hosts(arch, tmp_path, monkeypatch):
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [
+        ("flux", ()),
+        ("anima", ()),
+        pytest.param("anima", ("--unsloth_offload_checkpointing",), id="anima-unsloth-checkpointing"),
+    ],
+)
+def test_a_certification_that_opens_nothing_leaves_training_bitwise_the_hosts(arch, options, tmp_path, monkeypatch):
     """ε ≈ 0: nothing is certified. With gradient accumulation the certifier runs between two
     micro-batches of an update (probe 16 arrives with the 8th batch of 2), so accumulated .grad, the RNG
-    and the optimizer must survive it; Anima's caption dropout draws from Python's RNG in every step."""
+    and the optimizer must survive it; Anima's caption dropout draws from Python's RNG in every step.
+    Anima's unsloth checkpointer runs its own ``torch.autograd.backward`` into ``.grad``: the measurement's backward
+    runs it for every draw, and ``.grad`` must come back as the micro-batch before left it."""
     if arch == "anima":
         cls = trainer_class("anima")
         conds = cls.text_conds
         monkeypatch.setattr(cls, "text_conds", lambda self, bsz, gen: [*conds(self, bsz, gen)[:-1], torch.full((bsz,), 0.5)])
     argv = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "20", "--gradient_accumulation_steps", "2", "--seed", "4")
+    argv += options
     random.seed(0)
     plain = run_double(arch, *argv, network_module=ARCHS[arch][2]).last_run
     random.seed(0)
@@ -66,6 +76,36 @@ def test_a_certification_that_opens_nothing_leaves_training_bitwise_the_hosts(ar
     assert state.cfg.routes == () and state.accounting.total_steps == 40
     blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
     assert blob["cost"]["native_step_equivalents"] > 0 and not any(row["safe"] for row in blob["bins"])
+
+
+@pytest.mark.parametrize(
+    ("arch", "options"),
+    [
+        pytest.param("sdxl", ("--gradient_checkpointing",), id="sdxl-reentrant"),
+        pytest.param("anima", ("--gradient_checkpointing",), id="anima-non-reentrant"),
+        pytest.param("anima", ("--unsloth_offload_checkpointing",), id="anima-unsloth"),
+    ],
+)
+def test_checkpointing_changes_nothing_the_certifier_measures(arch, options, tmp_path):
+    """The same auto run with and without the host's gradient checkpointing: every per-image estimate the
+    certifier read, the windows, the losses and the trained LoRA are the same. A measurement by ``autograd.grad``
+    saw zeros for every adapter inside SDXL's reentrant checkpoint (and, where the path to another adapter crosses
+    one, as in the real UNet, it raises) and inside Anima's unsloth checkpointer (its block runs under ``no_grad``;
+    its backward writes ``.grad`` itself)."""
+    argv = (*ARGV, "--gradient_accumulation_steps", "2")
+    runs = {}
+    for name, extra in (("plain", ()), ("checkpointed", options)):
+        config = auto_config(tmp_path / name, map_margin=0.2)
+        runs[name] = run_double(arch, *argv, *extra, downscale=config).last_run
+        runs[name].certified = json.loads((tmp_path / name / "auto" / "certify.json").read_text())
+    plain, checkpointed = runs["plain"], runs["checkpointed"]
+    assert checkpointed.unet.gradient_checkpointing and checkpointed.unet.training
+    evidence = [(b["route"], b["bin"], b["verdict"], b["evidence"]) for b in plain.certified["bins"]]
+    assert any(e["images"] for *_, e in evidence)
+    assert [(b["route"], b["bin"], b["verdict"], b["evidence"]) for b in checkpointed.certified["bins"]] == evidence
+    assert checkpointed.losses == plain.losses
+    theirs = plain.network.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in checkpointed.network.state_dict().items())
 
 
 def test_auto_certifies_then_trains_with_the_windows_and_records_them(tmp_path, steps, caplog):  # noqa: F811

@@ -180,9 +180,47 @@ def debiased_floor(cell: Cell) -> float:
     return cell.cos[f"{NATIVE_A}|{NATIVE_B}"] / math.sqrt(ra * rb)
 
 
+def _other_leaves(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """The leaves of ``loss``'s graph, outside ``params``, that a backward accumulates into (a host that sets
+    ``requires_grad`` on its inputs for checkpointing, train_network.py ``get_noise_pred_and_target``)."""
+    mine = {id(p) for p in params}
+    seen, stack, leaves = set(), [loss.grad_fn], []
+    while stack:
+        node = stack.pop()
+        if node is None or node in seen:
+            continue
+        seen.add(node)
+        variable = getattr(node, "variable", None)  # an AccumulateGrad node: its leaf
+        if isinstance(variable, torch.Tensor) and id(variable) not in mine:
+            leaves.append(variable)
+        stack.extend(next_node for next_node, _ in node.next_functions)
+    return leaves
+
+
 def flat_grad(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    """d loss / d params as one float64 CPU vector; ``.grad`` is never touched (the model stays clean)."""
-    grads = torch.autograd.grad(loss, params, allow_unused=True)
+    """d loss / d params as one float64 CPU vector; every ``.grad`` is as it was before (the model stays clean).
+
+    Measured with ``loss.backward()``, every parameter's ``.grad`` (and that of the graph's other leaves) set
+    aside as None before and put back after, not with ``torch.autograd.grad``: a reentrant checkpoint
+    (``torch.utils.checkpoint(use_reentrant=True)``, sd-scripts' SDXL UNet) refuses ``autograd.grad``, and a
+    checkpointer that runs its block under ``no_grad`` and calls ``torch.autograd.backward`` itself (Anima's
+    ``--unsloth_offload_checkpointing``) leaves its block's adapters out of ``autograd.grad``'s answer (zeros)
+    and writes their gradient into ``.grad``. A backward reaches every parameter through either. The leaves'
+    own ``.grad`` tensors are never written (None during the backward), so accumulated micro-batch gradients
+    come back bitwise. A DDP-wrapped model's gradient hooks would fire on this backward: the in-run
+    measurements run on one process only (``hosts/kohya/probes.py`` refuses more).
+    """
+    params = list(params)
+    leaves = params + _other_leaves(loss, params)
+    saved = [leaf.grad for leaf in leaves]
+    try:
+        for leaf in leaves:
+            leaf.grad = None
+        loss.backward()
+        grads = [p.grad for p in params]
+    finally:
+        for leaf, grad in zip(leaves, saved, strict=True):
+            leaf.grad = grad
     parts = [(g if g is not None else torch.zeros_like(p)).detach().reshape(-1) for g, p in zip(grads, params, strict=True)]
     return torch.cat(parts).to("cpu", torch.float64)
 

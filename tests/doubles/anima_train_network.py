@@ -21,6 +21,16 @@ class AnimaNetworkTrainer(train_network.NetworkTrainer):
             torch.zeros(bsz),  # caption_dropout_rates
         ]
 
+    def train(self, args):
+        if args.unsloth_offload_checkpointing:  # assert_extra_args
+            args.gradient_checkpointing = True
+        super().train(args)
+
+    def prepare_unet_with_accelerator(self, args, accelerator, unet):
+        if args.unsloth_offload_checkpointing and args.gradient_checkpointing:
+            unet.enable_gradient_checkpointing(unsloth_offload=True)
+        return super().prepare_unet_with_accelerator(args, accelerator, unet)
+
     def get_noise_scheduler(self, args, device):
         return sd3_train_utils.FlowMatchEulerDiscreteScheduler(num_train_timesteps=1000, shift=args.discrete_flow_shift)
 
@@ -37,6 +47,11 @@ class AnimaNetworkTrainer(train_network.NetworkTrainer):
             args, noise_scheduler, latents, noise, accelerator.device, weight_dtype
         )
         timesteps = timesteps / 1000.0
+        if args.gradient_checkpointing:
+            noisy_model_input.requires_grad_(True)
+            for t in text_encoder_conds:
+                if t is not None and t.dtype.is_floating_point:
+                    t.requires_grad_(True)
         prompt_embeds, attn_mask, t5_input_ids, t5_attn_mask = text_encoder_conds
         bs, h_latent, w_latent = latents.shape[0], latents.shape[-2], latents.shape[-1]
         padding_mask = torch.zeros(bs, 1, h_latent, w_latent, dtype=weight_dtype, device=accelerator.device)
@@ -101,6 +116,7 @@ class AnimaNetworkTrainer(train_network.NetworkTrainer):
 
 def setup_parser():
     parser = train_network.setup_parser()
+    parser.add_argument("--unsloth_offload_checkpointing", action="store_true")
     parser.set_defaults(timestep_sampling="sigmoid", discrete_flow_shift=1.0, sigmoid_scale=1.0)
     return parser
 

@@ -115,12 +115,18 @@ class NetworkTrainer:
         self, args, accelerator, noise_scheduler, latents, batch, text_encoder_conds, unet, network, weight_dtype, train_unet, is_train=True
     ):
         noise, noisy_latents, timesteps = train_util.get_noise_noisy_latents_and_timesteps(args, noise_scheduler, latents)
+        if args.gradient_checkpointing:  # the host's "ensure the hidden state will require grad"
+            for t in text_encoder_conds:
+                t.requires_grad_(True)
         with torch.set_grad_enabled(is_train), accelerator.autocast():
             noise_pred = self.call_unet(
                 args, accelerator, unet, noisy_latents.requires_grad_(train_unet), timesteps, text_encoder_conds, batch, weight_dtype
             )
         target = noise_scheduler.get_velocity(latents, noise, timesteps) if args.v_parameterization else noise
         return noise_pred, target, timesteps, None
+
+    def prepare_unet_with_accelerator(self, args, accelerator, unet):
+        return unet
 
     def post_process_loss(self, loss, args, timesteps, noise_scheduler):
         return loss
@@ -236,6 +242,14 @@ class NetworkTrainer:
         network.apply_to(text_encoder, unet, False, True)
         if args.network_weights is not None:
             network.load_weights(args.network_weights)
+        if args.gradient_checkpointing:
+            if args.cpu_offload_checkpointing:
+                unet.enable_gradient_checkpointing(cpu_offload=True)
+            else:
+                unet.enable_gradient_checkpointing()
+        unet = self.prepare_unet_with_accelerator(args, accelerator, unet)
+        if args.gradient_checkpointing:
+            unet.train()
         params, lr_descriptions = network.prepare_optimizer_params(None, args.unet_lr, args.learning_rate)
         optimizer = torch.optim.SGD(params, lr=args.learning_rate)
         train_dataloader = list(train_dataset_group)
@@ -406,6 +420,7 @@ def setup_parser() -> argparse.ArgumentParser:
         "apply_t5_attn_mask",
         "enable_scaled_pos_embed",
         "gradient_checkpointing",
+        "cpu_offload_checkpointing",
         "skip_until_initial_step",
         "save_state",
         "save_state_on_train_end",

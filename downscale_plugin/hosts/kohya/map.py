@@ -12,9 +12,10 @@ Timeline (one process; docs/FIDELITY.md has the method):
 3. At the call that completes ``map_images`` probes, before that step runs: the map
    (:func:`~downscale_plugin.mapping.estimator.run_map` over :class:`~.backend.ProbeBackend`). Every
    draw is the trainer class's own step, forced by the step hook to the arm's grid and the map's σ.
-   Torch's CPU and device RNG and Python's and NumPy's global RNG are restored afterwards, and the
-   gradients come from ``autograd.grad``, so ``.grad`` (accumulated gradients included) and the
-   optimizer are never touched: training continues exactly as if the map had not run. The lab
+   Torch's CPU and device RNG and Python's and NumPy's global RNG are restored afterwards, and each
+   gradient is a backward with every ``.grad`` set aside and put back (``estimator.flat_grad``), so
+   ``.grad`` (accumulated gradients included) and the optimizer are as they were: training continues
+   exactly as if the map had not run. The lab
    map's files go to ``map_out``, and the table to the log.
 4. ``after_map = "stop"``: the end summary and the host's ``accelerator.end_training()`` run, then
    ``SystemExit(0)``: the script ends without a traceback and saves no weights.

@@ -4,12 +4,68 @@
 Each is a per-token linear map with a timestep term, so a LoRA on ``proj`` trains, and each keeps
 ``calls``: what reached it (input shape, timesteps, positional ids) for the tests to inspect. Each
 asserts the latent multiple its real counterpart needs (SDXL skip-concats %4, patchified DiTs %2).
+
+Gradient checkpointing as the host's models do it, around the whole map (the host's blocks): SDXL's UNet
+with ``torch.utils.checkpoint`` at ``use_reentrant=USE_REENTRANT`` (True, library/sdxl_original_unet.py), Anima's
+blocks non-reentrant, or with ``--unsloth_offload_checkpointing`` through :class:`UnslothOffloadedGradientCheckpointer`
+(library/anima_models.py): the block runs under ``no_grad`` and its backward calls ``torch.autograd.backward``.
 """
 
 from types import SimpleNamespace
 
 import torch
+import torch.utils.checkpoint
 from torch import nn
+
+USE_REENTRANT = True  # library/sdxl_original_unet.py
+
+
+def detach_variable(inputs):
+    """library/anima_models.py: each tensor detached, keeping its ``requires_grad``."""
+    out = []
+    for inp in inputs:
+        if not isinstance(inp, torch.Tensor):
+            out.append(inp)
+            continue
+        x = inp.detach()
+        x.requires_grad = inp.requires_grad
+        out.append(x)
+    return tuple(out)
+
+
+class UnslothOffloadedGradientCheckpointer(torch.autograd.Function):
+    """library/anima_models.py's: the activations kept on the CPU, the block run under ``no_grad``; its backward
+    recomputes the block and calls ``torch.autograd.backward`` on it, so the block's parameters get their
+    gradient in ``.grad`` from that inner backward, not through this function's outputs."""
+
+    @staticmethod
+    def forward(ctx, forward_function, hidden_states, *args):
+        ctx.input_device = hidden_states.device
+        saved_hidden_states = hidden_states.to("cpu", non_blocking=True)
+        with torch.no_grad():
+            output = forward_function(hidden_states, *args)
+        ctx.save_for_backward(saved_hidden_states)
+        ctx.forward_function = forward_function
+        ctx.args = args
+        return output
+
+    @staticmethod
+    def backward(ctx, *grads):
+        (hidden_states,) = ctx.saved_tensors
+        hidden_states = hidden_states.to(ctx.input_device, non_blocking=True).detach()
+        hidden_states.requires_grad_(True)
+        args = detach_variable(ctx.args)
+        inputs = (hidden_states,) + args
+        with torch.enable_grad():
+            outputs = ctx.forward_function(*inputs)
+        output_tensors, grad_tensors = [], []
+        outputs = outputs if isinstance(outputs, tuple) else (outputs,)
+        for out, grad in zip(outputs, grads if isinstance(grads, tuple) else (grads,), strict=False):
+            if isinstance(out, torch.Tensor) and out.requires_grad:
+                output_tensors.append(out)
+                grad_tensors.append(grad)
+        torch.autograd.backward(output_tensors, grad_tensors)
+        return (None,) + tuple(inp.grad if isinstance(inp, torch.Tensor) else None for inp in inputs)
 
 
 class _Tiny(nn.Module):
@@ -39,9 +95,15 @@ class UNet2DConditionModel(_Tiny):
 
 class SdxlUNet2DConditionModel(_Tiny):
     multiple = 4
+    gradient_checkpointing = False
+
+    def enable_gradient_checkpointing(self):
+        self.gradient_checkpointing = True
 
     def forward(self, x, timesteps, context, y):
         self._record(x, timesteps)
+        if self.training and self.gradient_checkpointing:
+            return torch.utils.checkpoint.checkpoint(self._map, x, timesteps / 1000, context + y.mean(), use_reentrant=USE_REENTRANT)
         return self._map(x, timesteps / 1000, context + y.mean())
 
 
@@ -87,12 +149,22 @@ class NextDiT(_Tiny):
 
 class Anima(_Tiny):
     multiple = 2
+    gradient_checkpointing = cpu_offload_checkpointing = unsloth_offload_checkpointing = False
+
+    def enable_gradient_checkpointing(self, cpu_offload: bool = False, unsloth_offload: bool = False):
+        self.gradient_checkpointing = True
+        self.cpu_offload_checkpointing = cpu_offload if not unsloth_offload else False
+        self.unsloth_offload_checkpointing = unsloth_offload
 
     def forward(
         self, x, timesteps, context, padding_mask=None, target_input_ids=None, target_attention_mask=None, source_attention_mask=None
     ):
         assert x.ndim == 5 and padding_mask.shape[-2:] == x.shape[-2:], "Anima takes [B,C,1,H,W] and a padding mask of the same grid"
         self._record(x, timesteps, padding_mask=tuple(padding_mask.shape))
+        if self.training and self.gradient_checkpointing:
+            if self.unsloth_offload_checkpointing:
+                return UnslothOffloadedGradientCheckpointer.apply(self._map, x, timesteps, context)
+            return torch.utils.checkpoint.checkpoint(self._map, x, timesteps, context, use_reentrant=False)
         return self._map(x, timesteps, context)
 
 

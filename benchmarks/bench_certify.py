@@ -32,7 +32,7 @@ from downscale_plugin.hosts.lab.map_backend import LabBackend, LabMapConfig  # n
 from downscale_plugin.mapping.arms import latent_arm  # noqa: E402
 from downscale_plugin.mapping.certify import BackendDraws, CertifySettings, run_certify  # noqa: E402
 from downscale_plugin.mapping.certify_cli import cost_summary, write_outputs  # noqa: E402
-from downscale_plugin.mapping.sequential import paired_excess  # noqa: E402
+from downscale_plugin.mapping.sequential import PairedSums  # noqa: E402
 
 MAPS = "docs/fidelity/lab_n64_d8_n16/map.json:latent_0.875,latent_0.75;docs/fidelity/lab_n64_d8_n16_pool/map.json:latent_0.5"
 
@@ -142,13 +142,11 @@ def variance_study(backend, bins, cells: list[tuple[int, int]], seeds: int, draw
     for image, b in cells:
         values = {(a.name, p): [] for a in routes for p in (True, False)}
         for seed in range(seeds):
-            paired = BackendDraws(backend, bins, draws, 1000 + seed)
-            independent = BackendDraws(backend, bins, draws, 1000 + seed, paired=False)
-            native = paired.native(image, b)  # the same native draws serve both: only the route's noise differs
-            independent.native_shape = paired.native_shape
-            for a in routes:
-                values[a.name, True].append(paired_excess(native, paired.route(image, b, a)))
-                values[a.name, False].append(paired_excess(native, independent.route(image, b, a)))
+            for paired in (True, False):  # the same seed: the same native draws, only the route's noise differs
+                sums = PairedSums()
+                BackendDraws(backend, bins, draws, 1000 + seed, paired=paired).draw_pairs(image, b, routes, sums.add)
+                for a in routes:
+                    values[a.name, paired].append(sums.excess(a.name))
         for a in routes:
             sp, si = float(np.std(values[a.name, True], ddof=1)), float(np.std(values[a.name, False], ddof=1))
             rows.append({"image": image, "bin": bins.label(b), "route": a.name, "mean_paired": float(np.mean(values[a.name, True])),

@@ -93,7 +93,7 @@ class SyntheticDraws:
                 self.route_mu[route, b, i] = 0.9 * (c * self.mu[i] + math.sqrt(1 - c * c) * orth / orth.norm())
                 self.true_gap[route, b, i] = g
         self.xi: dict[tuple[int, int], np.ndarray] = {}
-        self.draws = 4
+        self.n_draws = 4
         self.calls = 0
 
     def num_images(self) -> int:
@@ -104,13 +104,22 @@ class SyntheticDraws:
 
     def native(self, image: int, b: int) -> torch.Tensor:
         self.calls += 1
-        self.xi[image, b] = self.rng.standard_normal((self.draws, self.q))
+        self.xi[image, b] = self.rng.standard_normal((self.n_draws, self.q))
         return self.mu[image] + torch.from_numpy(self.xi[image, b] @ self.b)
 
     def route(self, image: int, b: int, arm: Arm) -> torch.Tensor:
-        eta = self.rng.standard_normal((self.draws, self.q))
+        eta = self.rng.standard_normal((self.n_draws, self.q))
         zeta = self.rho * self.xi[image, b] + math.sqrt(1 - self.rho**2) * eta
         return self.route_mu[arm.name, b, image] + torch.from_numpy(zeta @ self.b)
+
+    def draw_pairs(self, image: int, b: int, routes: list[Arm], sink) -> None:
+        """The certifier's protocol: native draw d, then each route's draw d, one at a time."""
+        native = self.native(image, b)
+        rows = {arm.name: self.route(image, b, arm) for arm in routes}
+        for d in range(self.n_draws):
+            sink(None, [native[d]])
+            for arm in routes:
+                sink(arm.name, [rows[arm.name][d]])
 
 
 ROUTE = latent_arm(0.75)
@@ -300,22 +309,39 @@ def test_the_lab_trainer_trains_on_the_injected_noise(tiny_lab):
     assert got.item() == pytest.approx(want.item(), rel=1e-5)
 
 
+def _recorded(source, image: int, b: int, routes: list[Arm]) -> list[tuple[str | None, list[torch.Tensor]]]:
+    passes = []
+    source.draw_pairs(image, b, routes, lambda arm, grads: passes.append((arm, list(grads))))
+    return passes
+
+
 def test_backend_draws_are_paired_reproducible_and_leave_the_run_untouched(tiny_lab):
     from downscale_plugin.mapping.certify import BackendDraws
+    from downscale_plugin.mapping.sequential import PairedSums
 
     bins, route = parse_bins("0,0.5,1"), latent_arm(0.75)
     state = torch.get_rng_state()
     paired = BackendDraws(tiny_lab, bins, draws=2, seed=0)
-    native = paired.native(1, 1)
-    routed = paired.route(1, 1, route)
+    passes = _recorded(paired, 1, 1, [route])
     assert torch.equal(torch.get_rng_state(), state) and {p.grad is None for p in tiny_lab.params} == {True}
-    assert native.shape == routed.shape == (2, sum(p.numel() for p in tiny_lab.params))
+    assert [arm for arm, _ in passes] == [None, route.name, None, route.name]  # draw d's pair, then draw d + 1's
+    for _, grads in passes:  # per parameter, in its own dtype (and on its own device): no flat float64 copy
+        assert [(g.shape, g.dtype, g.device) for g in grads] == [(p.shape, p.dtype, p.device) for p in tiny_lab.params]
     assert paired.cost(route) == 144 / 256  # 16x16 -> 12x12: the token fraction of the grid run
-    again = BackendDraws(tiny_lab, bins, draws=2, seed=0)
-    again.native(1, 1)
-    assert torch.equal(again.route(1, 1, route), routed)
-    unpaired = BackendDraws(tiny_lab, bins, draws=2, seed=0, paired=False)
-    assert torch.equal(unpaired.native(1, 1), native) and not torch.equal(unpaired.route(1, 1, route), routed)
+    again = _recorded(BackendDraws(tiny_lab, bins, draws=2, seed=0), 1, 1, [route])
+    assert all(torch.equal(x, y) for (_, a), (_, b) in zip(passes, again, strict=True) for x, y in zip(a, b, strict=True))
+    unpaired = _recorded(BackendDraws(tiny_lab, bins, draws=2, seed=0, paired=False), 1, 1, [route])
+    same = [all(torch.equal(x, y) for x, y in zip(a, b, strict=True)) for (_, a), (_, b) in zip(passes, unpaired, strict=True)]
+    assert same == [True, False, True, False]  # the native draws are the paired run's, the route's noise is not
+    # The streamed estimate is the (D, p) matrix estimate of the same draws.
+    sums = PairedSums()
+    for arm, grads in passes:
+        sums.add(arm, grads)
+    flat = {
+        arm: torch.stack([torch.cat([g.reshape(-1) for g in grads]).double() for a, grads in passes if a == arm])
+        for arm in (None, route.name)
+    }
+    assert sums.excess(route.name) == pytest.approx(paired_excess(flat[None], flat[route.name]), abs=1e-6)
 
 
 def test_certify_command_writes_the_windows_and_the_evidence(tiny_lab, tmp_path, monkeypatch, capsys):

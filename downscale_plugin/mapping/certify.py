@@ -24,7 +24,13 @@ the certifier spends evidence only where a verdict is still open and worth havin
 
 Cost model: a native pass (one forward+backward at the native grid) is 1; a route pass counts its
 token fraction (h_r·w_r)/(h·w) of the grids actually run (= r² on the lab's default grids); the
-budget and ``native_step_equivalents`` are in these units. Cached native draws are not paid twice.
+budget and ``native_step_equivalents`` are in these units. A native draw serves every route tested
+with it (one group: same bin, same image); a route that reaches the same (image, bin) later draws it
+again and pays again.
+
+Memory: a draw is reduced as it is taken (``sequential.PairedSums``: per arm a running sum on the
+gradients' devices, the rest float64 scalars), so a certification holds (1 + routes) sums and one
+native draw per parameter, whatever the number of probes, bins and draws; nothing is kept per (image, bin).
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from typing import Any, Protocol
 
 import numpy as np
@@ -41,9 +48,9 @@ import torch
 from ..bins import SigmaBins
 from ..rng import forked, seed_forked
 from .arms import PLAIN, Arm, MapBackend
-from .estimator import arm_key, flat_grad
+from .estimator import arm_key, param_grads
 from .paired import coupled_small_noise, injected_noise
-from .sequential import SAFE, Bound, Looks, paired_excess, read, verdict
+from .sequential import SAFE, Bound, Grads, Looks, PairedSums, read, verdict
 from .windows import probe_header, render_windows, stack_windows, utc_now
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
@@ -76,16 +83,18 @@ def settings_problems(s: CertifySettings) -> list[str]:
     return problems
 
 
+Sink = Callable[[str | None, Grads], None]  # one draw: the arm's name (None: native) and its per-parameter gradient
+
+
 class DrawSource(Protocol):
-    """Gradient draws for the certifier. ``native(image, bin)`` → (D, p) native draws;
-    ``route(image, bin, arm)`` → (D, p) draws of the route, draw d paired with native draw d (same σ,
-    coupled noise); ``cost(arm)`` → native-step equivalents of one pass (None: native, 1)."""
+    """Gradient draws for the certifier. ``draw_pairs(image, bin, routes, sink)`` runs the D paired draws of
+    one (image, bin): for each d, the native draw d, then each route's draw d (same σ, coupled noise),
+    each handed to ``sink`` as it is taken and not kept (``PairedSums.add``); ``cost(arm)`` →
+    native-step equivalents of one pass (None: native, 1)."""
 
     def num_images(self) -> int: ...
 
-    def native(self, image: int, bin_: int) -> torch.Tensor: ...
-
-    def route(self, image: int, bin_: int, arm: Arm) -> torch.Tensor: ...
+    def draw_pairs(self, image: int, bin_: int, routes: Sequence[Arm], sink: Sink) -> None: ...
 
     def cost(self, arm: Arm | None) -> float: ...
 
@@ -139,7 +148,7 @@ class BackendDraws:
         gen = torch.Generator().manual_seed(_key(self.seed, image, bin_, d, 0xE751, stream))
         return torch.randn(shape, generator=gen, dtype=torch.float64)
 
-    def _grad(self, image: int, arm: Arm, sigma: float, noise: Callable[[tuple[int, ...]], torch.Tensor], key: int) -> torch.Tensor:
+    def _grad(self, image: int, arm: Arm, sigma: float, noise: Callable[[tuple[int, ...]], torch.Tensor], key: int) -> list[torch.Tensor]:
         shapes: list[tuple[int, ...]] = []
 
         def make(shape: tuple[int, ...]) -> torch.Tensor:
@@ -155,29 +164,24 @@ class BackendDraws:
             self.fractions[arm.name] = (shapes[0][-2] * shapes[0][-1]) / (native[-2] * native[-1])
         else:
             self.native_shape[image] = shapes[0]
-        return flat_grad(loss, self.params)
+        return param_grads(loss, self.params)
 
-    def native(self, image: int, bin_: int) -> torch.Tensor:
-        arm = Arm("native_a", "native")
-        rows = []
+    def draw_pairs(self, image: int, bin_: int, routes: Sequence[Arm], sink: Sink) -> None:
+        """Native draw d, then each route's draw d on the native ε's coupled noise (``paired``), for every d."""
+        native = Arm("native_a", "native")
         for d in range(self.draws):
-            key = _key(self.seed, image, bin_, arm_key(arm), d)
-            rows.append(self._grad(image, arm, self._sigma(image, bin_, d), lambda s, d=d: self._noise(image, bin_, d, s), key))
-        return torch.stack(rows)
+            sigma = self._sigma(image, bin_, d)
+            key = _key(self.seed, image, bin_, arm_key(native), d)
+            sink(None, self._grad(image, native, sigma, partial(self._noise, image, bin_, d), key))
+            for arm in routes:
+                noise = partial(self._route_noise, image, bin_, d, arm)
+                sink(arm.name, self._grad(image, arm, sigma, noise, _key(self.seed, image, bin_, arm_key(arm), d)))
 
-    def route(self, image: int, bin_: int, arm: Arm) -> torch.Tensor:
-        if image not in self.native_shape:
-            raise RuntimeError("BackendDraws.route: the image's native draws run first (their noise is the pairing's)")
-        rows = []
-        for d in range(self.draws):
-            if self.paired:
-                native = self._noise(image, bin_, d, self.native_shape[image])
-                noise = lambda s, native=native: coupled_small_noise(native, s[-2:])  # noqa: E731
-            else:
-                noise = lambda s, d=d: self._noise(image, bin_, d, s, stream=arm_key(arm))  # noqa: E731
-            key = _key(self.seed, image, bin_, arm_key(arm), d)
-            rows.append(self._grad(image, arm, self._sigma(image, bin_, d), noise, key))
-        return torch.stack(rows)
+    def _route_noise(self, image: int, bin_: int, d: int, arm: Arm, shape: tuple[int, ...]) -> torch.Tensor:
+        """The route's ε_r = M·ε of native draw d's ε (seeded: the same tensor again), or an independent ε_r (unpaired)."""
+        if self.paired:
+            return coupled_small_noise(self._noise(image, bin_, d, self.native_shape[image]), shape[-2:])
+        return self._noise(image, bin_, d, shape, stream=arm_key(arm))
 
 
 @dataclass
@@ -296,7 +300,6 @@ class Certifier:
         self.progress = progress or (lambda spent, text: None)
         rng = np.random.default_rng(_key(settings.seed, 0x0D3E))
         self.order = {b: [int(i) for i in rng.permutation(source.num_images())] for b in range(len(bins))}
-        self.native_cache: dict[tuple[int, int], torch.Tensor] = {}
         self.tests: list[BinTest] = []
         self.prior = {(t.route, t.bin, t.spot): t for t in prior}
         self.notes: list[str] = []
@@ -328,9 +331,9 @@ class Certifier:
 
     # -- evidence -----------------------------------------------------------------------------------
 
-    def _image_cost(self, image: int, b: int, group: Sequence[BinTest]) -> float:
-        native = 0.0 if (image, b) in self.native_cache else self.settings.draws
-        return native + self.settings.draws * sum(self.source.cost(self._arm(t.route)) for t in group)
+    def _image_cost(self, group: Sequence[BinTest]) -> float:
+        """One more image for the group: D native passes and D passes of each of its routes."""
+        return self.settings.draws * (1.0 + sum(self.source.cost(self._arm(t.route)) for t in group))
 
     def _arm(self, name: str) -> Arm:
         return next(a for a in self.routes if a.name == name)
@@ -339,16 +342,14 @@ class Certifier:
         """One more image for every test of the group (same bin, same count); False when over budget."""
         b, k = group[0].bin, len(group[0].values)
         image = self.order[b][k]
-        cost = self._image_cost(image, b, group)
-        if self.spent + cost > self.settings.budget:
+        if self.spent + self._image_cost(group) > self.settings.budget:
             return False
-        if (image, b) not in self.native_cache:
-            self.native_cache[image, b] = self.source.native(image, b)
-            self.spent += self.settings.draws
-        native = self.native_cache[image, b]
+        sums = PairedSums()
+        self.source.draw_pairs(image, b, [self._arm(t.route) for t in group], sums.add)
+        self.spent += self.settings.draws
         for t in group:
             arm = self._arm(t.route)
-            t.values.append(paired_excess(native, self.source.route(image, b, arm)))
+            t.values.append(sums.excess(t.route))
             t.images.append(image)
             t.cost += self.settings.draws * self.source.cost(arm)
             self.spent += self.settings.draws * self.source.cost(arm)
@@ -375,8 +376,7 @@ class Certifier:
 
         def worth(key: tuple[bool, int, int]) -> tuple[bool, float]:
             group = groups[key]
-            image = self.order[key[1]][key[2]]
-            return (not key[0], sum(t.value for t in group) / self._image_cost(image, key[1], group))
+            return (not key[0], sum(t.value for t in group) / self._image_cost(group))
 
         return groups[max(groups, key=worth)]
 

@@ -197,8 +197,9 @@ def _other_leaves(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> l
     return leaves
 
 
-def flat_grad(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    """d loss / d params as one float64 CPU vector; every ``.grad`` is as it was before (the model stays clean).
+def param_grads(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> list[torch.Tensor]:
+    """d loss / d params, one tensor per parameter in its dtype on its device (zeros where unused); every
+    ``.grad`` is as it was before (the model stays clean).
 
     Measured with ``loss.backward()``, every parameter's ``.grad`` (and that of the graph's other leaves) set
     aside as None before and put back after, not with ``torch.autograd.grad``: a reentrant checkpoint
@@ -221,8 +222,12 @@ def flat_grad(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> torch
     finally:
         for leaf, grad in zip(leaves, saved, strict=True):
             leaf.grad = grad
-    parts = [(g if g is not None else torch.zeros_like(p)).detach().reshape(-1) for g, p in zip(grads, params, strict=True)]
-    return torch.cat(parts).to("cpu", torch.float64)
+    return [(g if g is not None else torch.zeros_like(p)).detach() for g, p in zip(grads, params, strict=True)]
+
+
+def flat_grad(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
+    """d loss / d params as one float64 CPU vector (the map keeps two half-sums per arm of one cell)."""
+    return torch.cat([g.reshape(-1) for g in param_grads(loss, params)]).to("cpu", torch.float64)
 
 
 def collect(

@@ -53,12 +53,80 @@ def u_inner(x: torch.Tensor, y: torch.Tensor) -> float:
 
 
 def paired_excess(native: torch.Tensor, route: torch.Tensor) -> float:
-    """ê = 1 − U(n, r)/√(U(n, n)·U(r, r)), clipped to ±TRIM; TRIM when the norms are not positive."""
-    nn, rr = u_inner(native, native), u_inner(route, route)
+    """ê = 1 − U(n, r)/√(U(n, n)·U(r, r)) of (D, p) draw matrices; see :func:`excess_of`."""
+    return excess_of(u_inner(native, native), u_inner(route, route), u_inner(native, route))
+
+
+def excess_of(nn: float, rr: float, nr: float) -> float:
+    """1 − nr/√(nn·rr) from the three U-statistics, clipped to ±TRIM; TRIM when the norms are not positive."""
     if not (nn > 0.0 and rr > 0.0):
         return TRIM
-    value = 1.0 - u_inner(native, route) / math.sqrt(nn * rr)
+    value = 1.0 - nr / math.sqrt(nn * rr)
     return float(min(max(value, -TRIM), TRIM)) if math.isfinite(value) else TRIM
+
+
+Grads = Sequence[torch.Tensor]  # one draw's gradient: a tensor per adapter parameter, on that parameter's device
+
+
+def grad_dot(xs: Grads, ys: Grads) -> float:
+    """Σ_k ⟨x_k, y_k⟩ over per-parameter tensors, each summed in float64 on its own device (products in
+    float32 or wider); one host sync per device, no copy of a gradient leaves its device."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for x, y in zip(xs, ys, strict=True):
+        wide = torch.promote_types(x.dtype, torch.float32)
+        per_device.setdefault(x.device, []).append((x.to(wide) * y.to(wide)).sum(dtype=torch.float64))
+    return math.fsum(float(torch.stack(parts).sum()) for parts in per_device.values())
+
+
+class PairedSums:
+    """The per-image estimate of one (image, bin), fed one draw at a time and never holding the draws.
+
+    U(x, y) = (⟨Σx_d, Σy_d⟩ − Σ_d ⟨x_d, y_d⟩) / (D(D−1)), so all the estimate needs is, per arm, the
+    sum of its draws (per parameter, float32 or wider, on the gradients' devices) and the float64
+    scalars Σ_d ‖x_d‖² and, per route, Σ_d ⟨n_d, r_d⟩, the last taken while native draw d is at hand.
+    Feed native draw d (``arm`` None), then each route's draw d, then native draw d + 1, and so on:
+    the state is (1 + routes) sums and one native draw, whatever the number of draws, images and bins.
+    """
+
+    def __init__(self) -> None:
+        self.draws = 0
+        self.native: list[torch.Tensor] = []  # the current native draw, paired with the routes' draws of the same d
+        self.sums: dict[str | None, list[torch.Tensor]] = {}
+        self.squares: dict[str | None, float] = {}
+        self.cross: dict[str, float] = {}
+        self.counts: dict[str | None, int] = {}
+
+    def add(self, arm: str | None, grads: Grads) -> None:
+        """One draw: the native one (``arm`` None) opens draw d, a route's is paired with it."""
+        if arm is None:
+            self.draws += 1
+            self.native = list(grads)
+        elif self.counts.get(arm, 0) != self.draws - 1:
+            raise ValueError(
+                f"PairedSums: draw {self.counts.get(arm, 0)} of {arm} has no native draw to pair with (native first, then routes)"
+            )
+        else:
+            self.cross[arm] = self.cross.get(arm, 0.0) + grad_dot(self.native, grads)
+        self.squares[arm] = self.squares.get(arm, 0.0) + grad_dot(grads, grads)
+        self.counts[arm] = self.counts.get(arm, 0) + 1
+        if arm not in self.sums:
+            self.sums[arm] = [g.to(torch.promote_types(g.dtype, torch.float32), copy=True) for g in grads]
+        else:
+            for total, g in zip(self.sums[arm], grads, strict=True):
+                total.add_(g)
+
+    def _u(self, x: str | None, y: str | None, diagonal: float) -> float:
+        return (grad_dot(self.sums[x], self.sums[y]) - diagonal) / (self.draws * (self.draws - 1))
+
+    def excess(self, route: str) -> float:
+        """ê of ``route`` (:func:`excess_of`), the same number :func:`paired_excess` gives on the stacked draws."""
+        if self.draws < 2 or self.counts.get(route) != self.draws:
+            raise ValueError(
+                f"PairedSums: {self.counts.get(route, 0)} draws of {route} for {self.draws} native draws (at least 2, one per native)"
+            )
+        return excess_of(
+            self._u(None, None, self.squares[None]), self._u(route, route, self.squares[route]), self._u(None, route, self.cross[route])
+        )
 
 
 @dataclass(frozen=True)

@@ -13,7 +13,7 @@ Timeline (one process; docs/FIDELITY.md §9 has the method):
    noise, spending at most ``certify_budget`` × the run's native compute (``max_train_steps`` ×
    accumulation × batch single-sample native passes; a route pass counts its token fraction). As in
    the map, torch's, Python's and NumPy's RNG are restored and every ``.grad`` is set aside around each
-   draw's backward (``estimator.flat_grad``): ``.grad``, the optimizer and every later draw are the run's as if nothing had run.
+   draw's backward (``estimator.param_grads``): ``.grad``, the optimizer and every later draw are the run's as if nothing had run.
 4. The certified windows (``windows.toml`` in ``map_out``, with ``certify.json``: every bin's verdict,
    bound and evidence) become the run's routes; the saved weights carry ``ss_downscale_map``, and
    the end summary adds the certification's cost, the routed share and the net saving.

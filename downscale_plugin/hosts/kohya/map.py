@@ -13,7 +13,7 @@ Timeline (one process; docs/FIDELITY.md has the method):
    (:func:`~downscale_plugin.mapping.estimator.run_map` over :class:`~.backend.ProbeBackend`). Every
    draw is the trainer class's own step, forced by the step hook to the arm's grid and the map's σ.
    Torch's CPU and device RNG and Python's and NumPy's global RNG are restored afterwards, and each
-   gradient is a backward with every ``.grad`` set aside and put back (``estimator.flat_grad``), so
+   gradient is a backward with every ``.grad`` set aside and put back (``estimator.param_grads``), so
    ``.grad`` (accumulated gradients included) and the optimizer are as they were: training continues
    exactly as if the map had not run. The lab
    map's files go to ``map_out``, and the table to the log.

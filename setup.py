@@ -73,8 +73,8 @@ setup(
             "scipy>=1.10",
             "tqdm>=4.60",
         ],
-        # mode = "map" inside an sd-scripts run (numpy and tqdm come with sd-scripts).
-        "map": ["scipy>=1.10", "matplotlib>=3.7"],
+        # mode = "map" and "auto" inside a training run (config.MODE_PACKAGES; numpy comes with both hosts).
+        "map": ["scipy>=1.10", "matplotlib>=3.7", "tqdm>=4.60"],
         "dev": ["pytest>=8", "ruff>=0.6"],
     },
     entry_points={"console_scripts": ["downscale-plugin=downscale_plugin.__main__:main"]},

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from .arch import ARCH_NAMES
-from .config import ConfigError, DownscaleConfig, format_problems, load_config, read_plugin_toml
+from .config import ConfigError, DownscaleConfig, format_problems, load_config, package_problems, read_plugin_toml
 from .plan import Sampler, format_plan, plan_table
 from .text import ROUTE_HEADER, fasterdit_text, route_rows
 
@@ -228,6 +228,9 @@ def _check_config(args: argparse.Namespace) -> tuple[DownscaleConfig, str]:
     if not (args.config_file or args.config):
         raise ConfigError(["check: give --config_file TRAIN_TOML, --config PLUGIN_TOML or -- TRAINER COMMAND"])
     cfg, _, path = load_cli_config(args)
+    problems = package_problems(cfg)  # a trainer's command line is checked for them by its reader
+    if problems:
+        raise ConfigError(problems)
     return cfg, path
 
 

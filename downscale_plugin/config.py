@@ -231,6 +231,30 @@ def vae_arm_problems(cfg: DownscaleConfig, arch: str, supported: Sequence[str]) 
     ]
 
 
+# Optional packages each in-run measurement imports (mapping/: sequential.py's and estimator.py's t quantiles,
+# report.py's heatmap, the progress bar), all installed by the one extra.
+MODE_PACKAGES = {"map": ("scipy", "matplotlib", "tqdm"), "auto": ("scipy", "tqdm")}
+MODE_EXTRA = "map"
+
+
+def measures(cfg: DownscaleConfig) -> bool:
+    """Whether the run measures in-run (``map``, or ``auto`` with a budget): probes, forced draws, a backward per draw."""
+    return cfg.enable and (cfg.mode == "map" or (cfg.mode == "auto" and cfg.certify.budget > 0))
+
+
+def package_problems(cfg: DownscaleConfig) -> list[str]:
+    """The packages ``cfg``'s mode imports that are not installed, naming the extra that installs them (a run
+    checks this before its session imports any of them; the startup check and ``check`` before any model loads)."""
+    import importlib.util
+
+    if not measures(cfg):
+        return []
+    missing = [name for name in MODE_PACKAGES[cfg.mode] if importlib.util.find_spec(name) is None]
+    if not missing:
+        return []
+    return [f'mode = "{cfg.mode}" needs {", ".join(missing)}, not installed: pip install "downscale-plugin[{MODE_EXTRA}]"']
+
+
 def foreign_windows(
     windows: WindowsProvenance, model: str | None, arch: str, latent_buckets: Sequence[tuple[int, int]], tier_tolerance: float
 ) -> list[str]:

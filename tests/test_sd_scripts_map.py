@@ -255,10 +255,10 @@ def test_a_map_the_run_cannot_do_fails_at_prepare_network(tmp_path, steps, confi
 
 
 def test_a_missing_map_package_is_named_at_prepare_network(tmp_path, monkeypatch):
-    from downscale_plugin.hosts.kohya import map as kohya_map
+    from downscale_plugin import config
 
-    monkeypatch.setattr(kohya_map, "MAP_PACKAGES", ("scipy", "no_such_package_for_the_map"))
-    with pytest.raises(HostError, match=r'no_such_package_for_the_map not installed.*pip install "downscale-plugin\[map\]"'):
+    monkeypatch.setitem(config.MODE_PACKAGES, "map", ("scipy", "no_such_package_for_the_map"))
+    with pytest.raises(HostError, match=r'needs no_such_package_for_the_map, not installed: pip install "downscale-plugin\[map\]"'):
         run_double("flux", "--resolution", RES, downscale=map_config(tmp_path))
 
 

@@ -45,7 +45,6 @@ from .run import DownscaleRun
 
 logger = plugin_logger(__name__)
 
-AUTO_PACKAGES = ("scipy", "tqdm")  # the confidence sequence's t quantiles; the certify CLI's progress bar module is shared
 MASS_SAMPLES = 8192  # host σ draws behind each bin's sampler mass (what a safe verdict is worth; not a bound)
 
 
@@ -56,6 +55,7 @@ class AutoSession(ProbeSession):
     mode = "auto"
 
     def __init__(self, run: DownscaleRun, ctx: Any, family: Any, buckets: Any, record: Any):
+        self.refuse_missing_packages(run)  # before the certifier's import needs them
         from ...mapping.in_run import in_run_setup
         from ...mapping.sequential import Looks
 
@@ -69,9 +69,6 @@ class AutoSession(ProbeSession):
         self.certify_s = 0.0
         self.started = time.perf_counter()
         self.refuse(self.problems())
-
-    def packages(self) -> tuple[str, ...]:
-        return AUTO_PACKAGES
 
     def problems(self) -> list[str]:
         """What makes certification in this run impossible, found before any compute."""

@@ -25,7 +25,15 @@ from typing import Any
 
 import toml
 
-from ...config import NETWORK_ARGS_PREFIX, UNPREFIXED_NETWORK_ARGS, ConfigError, DownscaleConfig, format_problems, load_config
+from ...config import (
+    NETWORK_ARGS_PREFIX,
+    UNPREFIXED_NETWORK_ARGS,
+    ConfigError,
+    DownscaleConfig,
+    format_problems,
+    load_config,
+    package_problems,
+)
 
 PLUGIN_MODULE = "downscale_plugin"  # the --network_module that names this plugin
 DISABLE_STARTUP_CHECK = "DOWNSCALE_PLUGIN_NO_STARTUP_CHECK"  # =1: the .pth startup check does nothing
@@ -214,6 +222,8 @@ def config_from_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict
         shown = f"{where} is {module!r}" if module else "no --network_module (and none in the training TOML)"
         raise ConfigError([f"network_module: {shown}: this command does not train with {PLUGIN_MODULE}"])
     cfg = _run_config(types.SimpleNamespace(**merged), problems)
+    if cfg is not None:
+        problems += package_problems(cfg)
     if problems:
         raise ConfigError(problems)
     return cfg, merged

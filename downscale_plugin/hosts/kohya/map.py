@@ -43,8 +43,6 @@ from .run import DownscaleRun
 
 logger = plugin_logger(__name__)
 
-MAP_PACKAGES = ("scipy", "matplotlib", "tqdm")  # the estimator's bound, the heatmap, the progress bar (imported on use)
-
 
 class MapSession(ProbeSession):
     """One map run's state; see the module docstring. A host's subclass adds its probes (``ProbeSession``)
@@ -54,6 +52,7 @@ class MapSession(ProbeSession):
     vae_archs: tuple[str, ...] = ()  # the architectures whose VAE the host drives for the map's VAE arms
 
     def __init__(self, run: DownscaleRun, ctx: Any, family: Any, buckets: Any, record: Any):
+        self.refuse_missing_packages(run)  # before the estimator's import needs them
         from ...mapping.estimator import MapSettings
 
         cfg = run.cfg
@@ -64,9 +63,6 @@ class MapSession(ProbeSession):
             margin=cfg.map.margin, draws=cfg.map.draws, images=cfg.map.images, seed=run.seed, simultaneous=cfg.map.simultaneous
         )
         self.refuse(self.problems())
-
-    def packages(self) -> tuple[str, ...]:
-        return MAP_PACKAGES
 
     def problems(self) -> list[str]:
         """What makes this map impossible in this run, found before any compute."""

@@ -12,7 +12,6 @@ Multi-process runs are refused: ranks would measure different probes and derive 
 
 from __future__ import annotations
 
-import importlib.util
 import inspect
 import math
 import os
@@ -24,7 +23,7 @@ from typing import Any
 import torch
 
 from ...arch import get_arch
-from ...config import load_config
+from ...config import load_config, package_problems
 from ...grid import target_grid
 from ...rng import accelerator_devices, plugin_logger
 from ...scope import Patches
@@ -67,11 +66,6 @@ class ProbeSession:
     def __init__(self, run: DownscaleRun, ctx: Any, family: Any, buckets: Any, record: Any, images: int):
         """``ctx``: the host's trainer context (``trainer``, ``args``, ``accelerator``); ``family``: its σ family;
         ``buckets``: the dataset's (``latent_buckets``, ``batch_size``); ``record``: the host's architecture record."""
-        missing = [name for name in self.packages() if importlib.util.find_spec(name) is None]
-        if missing:
-            raise self.error(
-                f'mode = "{self.mode}": {", ".join(missing)} not installed; it needs them: pip install "downscale-plugin[map]"'
-            )
         self.run, self.ctx, self.family, self.buckets, self.record = run, ctx, family, buckets, record
         self.images = images
         self.out_dir = os.path.abspath(run.cfg.map.out)
@@ -83,9 +77,12 @@ class ProbeSession:
         self.hook: Any = None  # the run's step hook (a ``hook_class``), from make_hook
         self.patches = Patches()  # the process_batch wrap: undone once the measurement has run, else at the run's end
 
-    def packages(self) -> tuple[str, ...]:
-        """The optional packages the measurement imports on use."""
-        return ()
+    def refuse_missing_packages(self, run: DownscaleRun) -> None:
+        """Stop on a package the mode imports that is not installed, naming the extra (``config.package_problems``);
+        a subclass calls it before it imports any of them."""
+        problems = package_problems(run.cfg)
+        if problems:
+            raise self.error("\n".join(problems))
 
     def refuse(self, problems: list[str]) -> None:
         if problems:

@@ -17,6 +17,9 @@ import sys
 
 DISABLE = "DOWNSCALE_PLUGIN_NO_STARTUP_CHECK"
 NAME = "downscale_plugin"
+# Each host's self-check of the checkout a command line runs (``command_line_drift(argv)`` → problems; nothing
+# for another host's script or a checkout not importable here): its functions against what the plugin re-implements.
+DRIFT_CHECKS = ("downscale_plugin.hosts.sd_scripts.startup",)
 
 
 def _mentions_plugin(argv):
@@ -52,9 +55,14 @@ def report(argv):
         return None
     before = set(sys.modules)
     try:
+        import importlib
+
         from downscale_plugin.hosts.kohya.conventions import startup_report
 
-        return startup_report(argv)
+        def drift(args):
+            return [p for name in DRIFT_CHECKS for p in importlib.import_module(name).command_line_drift(args)]
+
+        return startup_report(argv, drift)
     finally:
         # The trainer imports the network module itself, from its own sys.path; nothing stays from here.
         for name in [m for m in sys.modules if m not in before and (m == NAME or m.startswith(NAME + "."))]:

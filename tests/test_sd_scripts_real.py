@@ -36,10 +36,14 @@ from rng_trap import NativeStepCheck, RngTrap
 from rng_trap import same as rng_same
 
 import downscale_plugin
+from downscale_plugin.__main__ import main as cli_main
 from downscale_plugin.fasterdit.policies import shift_sigma
 from downscale_plugin.hosts.kohya.conventions import plugin_config
+from downscale_plugin.hosts.kohya.selfcheck import drift_problems
+from downscale_plugin.hosts.sd_scripts import selfcheck
 from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
 from downscale_plugin.hosts.sd_scripts.facts import BY_ARCH
+from downscale_plugin.hosts.sd_scripts.startup import command_line_drift
 from downscale_plugin.sigma import ddpm_t_to_sigma
 
 SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
@@ -291,6 +295,41 @@ def test_sampler_slot_is_restored_after_a_host_exception(arch):
     with pytest.raises(RuntimeError, match="host failure"):
         setup.step(batch_for(arch, 1, 0))
     assert getattr(module, name) is original
+
+
+# -- host drift caught at start (hosts/sd_scripts/selfcheck.py) --------------------------------------
+
+
+@pytest.mark.parametrize("arch", ["flux", "lumina", "sd3", "sdxl"])
+def test_selfcheck_every_piece_agrees_with_the_real_host(arch):
+    record = BY_ARCH[arch]
+    checks = selfcheck.standalone(record, importlib.import_module(record.sampler[0]))
+    assert len(checks) >= 2 and drift_problems(checks, selfcheck.CHECKED_AGAINST) == []
+    assert command_line_drift([f"{SD_SCRIPTS_DIR}/{SCRIPTS[arch][0]}.py", "--network_module", "downscale_plugin"]) == []
+
+
+def test_real_flux_noise_scaled_by_1_01_is_refused_at_start_by_check_and_by_the_startup_check(monkeypatch, capsys):
+    module = importlib.import_module("library.flux_train_utils")
+    original = module.get_noisy_model_input_and_timesteps
+    monkeypatch.setattr(module, "get_noisy_model_input_and_timesteps", lambda a, s, x, n, dev, dt: original(a, s, x, n * 1.01, dev, dt))
+    named = "library.flux_train_utils.get_noisy_model_input_and_timesteps no longer matches the routed step's noisy input"
+    with pytest.raises(sd_scripts_start.HostError) as raised:
+        Setup("flux", ALL_ROUTED)
+    assert named in str(raised.value) and "the plugin was checked against sd-scripts 48d368fa" in str(raised.value)
+    command = [
+        f"{SD_SCRIPTS_DIR}/flux_train_network.py",
+        "--network_module",
+        "downscale_plugin",
+        "--network_args",
+        "ds_routes=1024:768@0.65-0.95",
+    ]
+    spec = importlib.util.spec_from_file_location("this_startup_check", HERE.parent / "downscale_plugin_startup.py")
+    startup = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(startup)
+    report = startup.report(command)
+    assert named in report and "stopped before the trainer loads any model" in report
+    capsys.readouterr()
+    assert cli_main(["check", "--", *command]) == 2 and named in capsys.readouterr().err
 
 
 def test_fasterdit_options_on_the_real_flux_trainer(monkeypatch):

@@ -16,9 +16,12 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import logging
 import os
+import sys
 import types
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from types import ModuleType
 from typing import Any
@@ -229,9 +232,10 @@ def config_from_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict
     return cfg, merged
 
 
-def startup_report(argv: Sequence[str]) -> str | None:
+def startup_report(argv: Sequence[str], drift: Callable[[Sequence[str]], list[str]] | None = None) -> str | None:
     """The startup check: the report to print before exiting 2, or None (the command does not train with
-    the plugin, asks for help, writes a config, or its plugin config is valid)."""
+    the plugin, asks for help, writes a config, or its plugin config is valid and ``drift(argv)``, the host's
+    self-check of the checkout the command runs (``hosts/kohya/selfcheck.py``), finds nothing)."""
     try:
         line = parse_command_line(trainer_arguments(argv))
     except ConfigError:  # the trainer's own parser will say what is wrong with it
@@ -248,6 +252,9 @@ def startup_report(argv: Sequence[str]) -> str | None:
         return None
     try:
         config_from_command_line(argv)
+        problems = drift(argv) if drift is not None else []
+        if problems:
+            raise ConfigError(problems)
     except ConfigError as err:
         return (
             f"{format_problems(err.problems)}\n"
@@ -321,3 +328,26 @@ def import_inner(
     if missing:
         raise error(f"inner: {name!r} has no {' or '.join(missing)}: not a network module; choices: {choices}")
     return name, module
+
+
+@contextmanager
+def host_imports(root: str | None, packages: Sequence[str]) -> Iterator[None]:
+    """Import the host from ``root`` (its checkout; None: as installed) for a check that runs before the
+    trainer, and leave nothing of it behind: ``root`` comes off ``sys.path``, the modules of ``packages``
+    imported inside are forgotten (the trainer imports its own) and the root logger gets its handlers and
+    level back (kohya's modules set up logging when imported)."""
+    before = set(sys.modules)
+    root_logger = logging.root
+    handlers, level = list(root_logger.handlers), root_logger.level
+    added = root is not None and root not in sys.path
+    if added:
+        sys.path.insert(0, root)
+    try:
+        yield
+    finally:
+        if added:
+            sys.path.remove(root)
+        for name in [m for m in sys.modules if m not in before and m.split(".")[0] in packages]:
+            del sys.modules[name]
+        root_logger.handlers[:] = handlers
+        root_logger.setLevel(level)

@@ -9,7 +9,8 @@ they attach ``prepare_network(args)`` to it (chaining one the inner has). Outsid
 for ``for_inference=True`` (``--base_weights`` merges, ``gen_img.py``), they only delegate.
 
 What a training run installs (``start.py``) is imported only when a run starts, so inference tools
-that import this module only delegate.
+that import this module only delegate; importing the package itself loads no torch (the startup check
+imports ``startup.py`` from it).
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from typing import Any
 
 from ..kohya.conventions import import_inner, inner_name, network_args_dict, split_network_args
 from .facts import INNER_BY_DENOISER, KNOWN_INNERS, HostError
-from .trainer import find_trainer
 
 ENTRIES = (("create_network",), ("create_network_from_weights",))  # what sd-scripts' trainers call
 
@@ -30,6 +30,8 @@ def inner_module(name: str | None, unet: Any) -> tuple[str, ModuleType]:
 
 
 def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, unet, neuron_dropout=None, **kwargs):
+    from .trainer import find_trainer  # torch and the run's machinery load with a network, not with the package
+
     ctx = find_trainer()
     plugin_keys, inner_kwargs = split_network_args(kwargs)
     name, module = inner_module(inner_name(plugin_keys, ctx.args if ctx is not None else None), unet)
@@ -40,6 +42,8 @@ def create_network(multiplier, network_dim, network_alpha, vae, text_encoder, un
 
 
 def create_network_from_weights(multiplier, file, vae, text_encoder, unet, weights_sd=None, for_inference=False, **kwargs):
+    from .trainer import find_trainer
+
     ctx = find_trainer()
     plugin_keys, inner_kwargs = split_network_args(kwargs)
     config_keys = plugin_keys

@@ -25,6 +25,7 @@ from ..kohya.conventions import config_from_command_line, config_from_training_t
 from .buckets import sd_scripts_buckets
 from .facts import ARCHS, BY_ARCH
 from .flop_args import run_flops
+from .startup import command_line_drift
 
 SAMPLER_KNOBS = (
     "timestep_sampling",
@@ -209,6 +210,17 @@ register_latent_source(
     )
 )
 
+
+def read_command_line(argv: list[str]) -> tuple[Any, dict[str, Any]]:
+    """``check -- SCRIPT ...``: the command line's config (:func:`config_from_command_line`), then the drift
+    self-check of the sd-scripts checkout it runs, where importable (``selfcheck.py``); ConfigError lists every problem."""
+    found = config_from_command_line(argv)
+    problems = command_line_drift(argv)
+    if problems:
+        raise ConfigError(problems)
+    return found
+
+
 register_host(
     HostPart(
         name="sd_scripts",
@@ -219,6 +231,6 @@ register_host(
         sampler=host_sampler,
         plan_inputs=plan_inputs,
         latent_scale=lambda arch: BY_ARCH[arch].latent_scale,
-        read_command_line=config_from_command_line,
+        read_command_line=read_command_line,
     )
 )

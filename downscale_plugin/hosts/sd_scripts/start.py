@@ -26,6 +26,8 @@ from __future__ import annotations
 
 from typing import Any
 
+import torch
+
 from ...arch import get_arch
 from ...config import DownscaleConfig, foreign_windows
 from ...plan import Plan, format_plan, plan_table
@@ -41,6 +43,7 @@ from .families import SamplerFamily
 from .flop_args import run_flops
 from .hook import DownscaleHook
 from .resume import HostResume, banner_line, read_host_state
+from .selfcheck import refuse_host_drift
 from .trainer import TrainerContext, detect_arch, find_trainer, make_family, plan_sampler, step_options
 
 logger = plugin_logger(__name__)
@@ -165,6 +168,8 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
             f"arch: the config says {cfg.arch!r} but this run is {arch!r} ({type(ctx.trainer).__name__}); remove arch or fix it"
         )
     family = make_family(record)
+    # The host's functions against what the plugin re-implements (selfcheck.py); the startup check ran it before the models loaded.
+    refuse_host_drift(family, ctx.trainer.get_noise_scheduler(args, torch.device("cpu")))
     options = step_options(cfg, record)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)

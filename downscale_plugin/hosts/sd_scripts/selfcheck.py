@@ -1,0 +1,226 @@
+"""sd-scripts' drift self-check: what the plugin re-implements of sd-scripts, against sd-scripts' own
+functions on a tiny fixed input (``hosts/kohya/selfcheck.py``; the inventory is docs/ARCHITECTURE.md §3).
+
+- the routed step's noisy input (``families.FlowFamily`` replay): the host draws σ itself, so a
+  replayed σ is built into ``(1 − σ)·x + σ·(n + γ·ξ)`` (SD3: ``σ·n + (1 − σ)·x``) by the plugin; it must be
+  what the host's ``get_noisy_model_input_and_timesteps`` returns for the σ it drew, with ξ and γ drawn
+  the same way (Flux family, Lumina, SD3);
+- the coupled gate's exact fill (``families._flow_law``, ``sigma.py``): each closed-form mode's quantile,
+  with ``flux_shift``'s and ``nextdit_shift``'s μ at two grids, maps the host's own normal or uniform
+  draw to the σ the host returns; the ``sigma`` grid's and SD3's atoms are the host's (t, σ) at the
+  index its density draw picks; ``get_timesteps`` draws the DDPM law's uniform atoms;
+- SD1/SDXL's replay (``families.DDPMFamily``) reaches the host's noise path through
+  ``train_util.get_timesteps``.
+
+Everything else a step needs the host builds itself (noise, ids, masks, target, the DDPM noisy input,
+the size embeddings). The checks run in ``start`` (``prepare_network``, after the models load), in
+``check -- SCRIPT ...`` and in the startup check, where the script's checkout is importable there:
+before any model loads.
+"""
+
+from __future__ import annotations
+
+import copy
+import importlib
+from collections.abc import Callable
+from types import ModuleType, SimpleNamespace
+from typing import Any
+
+import torch
+
+from ...rng import seed_forked
+from ...sigma import ddpm_alphas_cumprod, ddpm_law
+from ..kohya.selfcheck import SEED, Piece, refuse_drift, same
+from .facts import SUPPORTED_REVISION, HostError, TrainerArch
+from .families import DDPMFamily, FlowFamily, SamplerFamily, _flow_law
+
+CHECKED_AGAINST = f"sd-scripts {SUPPORTED_REVISION}"
+SCHEDULER_HANDLE = ("library.sd3_train_utils", "FlowMatchEulerDiscreteScheduler")  # what every flow trainer's get_noise_scheduler builds
+DRAWS = 8
+GRIDS = ((32, 32), (128, 96))  # two μ for the grid-dependent modes
+LAW_ATOL = 1e-5  # the host draws σ in float32, the law's quantile is float64
+
+
+def host_args(**given: Any) -> SimpleNamespace:
+    """What the host's sampler and noise functions read from ``args``, at their defaults, with ``given`` over them."""
+    defaults = dict(
+        timestep_sampling="sigmoid", sigmoid_scale=1.0, discrete_flow_shift=3.0, weighting_scheme="uniform", logit_mean=0.0,
+        logit_std=1.0, mode_scale=1.29, training_shift=1.0, min_timestep=None, max_timestep=None, ip_noise_gamma=None,
+        ip_noise_gamma_random_strength=False, noise_offset=None, noise_offset_random_strength=False, adaptive_noise_scale=None,
+        multires_noise_iterations=None, multires_noise_discount=0.3,
+    )  # fmt: skip
+    return SimpleNamespace(**{**defaults, **given})
+
+
+def _fixed(*shape: int) -> torch.Tensor:
+    """A fixed, non-random tensor (a draw here would depend on the seed of the check)."""
+    n = 1
+    for edge in shape:
+        n *= edge
+    return torch.sin(torch.arange(n, dtype=torch.float32) * 0.7).reshape(shape)
+
+
+def _seeded() -> None:
+    seed_forked(SEED)  # inside drift_problems' fork: both sides start from the same draws
+
+
+def _rebuild(family: FlowFamily, scheduler: Any) -> Callable[[], str | None]:
+    """The replayed σ's noisy input against the host's own for the σ it drew (ξ and γ drawn alike)."""
+    fn_name = family.fn_name
+    variants = [host_args()]
+    if family.contract != "sd3":
+        variants += [host_args(ip_noise_gamma=0.1), host_args(ip_noise_gamma=0.1, ip_noise_gamma_random_strength=True)]
+    latents, noise = _fixed(2, 4, 4, 6), _fixed(2, 4, 4, 6).flip(-1)
+
+    def compare() -> str | None:
+        for args in variants:
+            _seeded()
+            host = family._call(getattr(family.module, fn_name), args, scheduler, latents, noise, "cpu", torch.float32)
+            bound = family.bind(args, scheduler, latents, "cpu", torch.float32)
+            bound.draw(1)  # the host's output dtypes
+            positions = bound.pool.add(host[1], host[2])
+            _seeded()
+            with bound.replay(positions):
+                ours = family._call(getattr(family.module, fn_name), args, scheduler, latents, noise, "cpu", torch.float32)
+            for name, a, b in zip(("noisy input", "timesteps", "σ"), ours, host, strict=True):
+                gap = same(f"{name} (ip_noise_gamma {args.ip_noise_gamma})", a, b)
+                if gap:
+                    return gap
+        return None
+
+    return compare
+
+
+def _continuous_law(family: FlowFamily, scheduler: Any, mode: str) -> Callable[[], str | None]:
+    """The mode's quantile at the host's own uniform (Φ of its normal, or its uniform) against the host's σ."""
+    args = host_args(timestep_sampling=mode, sigmoid_scale=1.3, discrete_flow_shift=3.1)
+    uniform = mode in ("uniform", "nextdit_shift")
+
+    def compare() -> str | None:
+        for grid in GRIDS if mode in ("flux_shift", "nextdit_shift") else GRIDS[:1]:
+            dummy = torch.zeros(DRAWS, 1, *grid)
+            _seeded()
+            host = family._call(getattr(family.module, family.fn_name), args, scheduler, dummy, dummy, "cpu", torch.float32)[2]
+            _seeded()
+            u = torch.rand(DRAWS) if uniform else torch.special.ndtr(torch.randn(DRAWS).double())
+            law = _flow_law(args, family.contract, scheduler, grid, torch.float32)
+            gap = same(f"σ at latent {grid[0]}x{grid[1]}", law.quantile(u.double()), host.reshape(-1), atol=LAW_ATOL)
+            if gap:
+                return gap
+        return None
+
+    return compare
+
+
+def _atom_law(family: FlowFamily, scheduler: Any, scheme: str) -> Callable[[], str | None]:
+    """The grid law's (``sigma``; SD3's) atom at the host's own density draw against the host's (t, σ)."""
+    args = host_args(timestep_sampling="sigma", weighting_scheme=scheme, logit_mean=0.2, logit_std=1.1, training_shift=3.0)
+
+    def compare() -> str | None:
+        dummy = torch.zeros(DRAWS, 1, 2, 2)
+        _seeded()
+        _, t, sigmas = family._call(getattr(family.module, family.fn_name), args, scheduler, dummy, dummy, "cpu", torch.float32)
+        _seeded()
+        if scheme == "logit_normal":
+            v = torch.special.ndtr(
+                (torch.normal(args.logit_mean, args.logit_std, size=(DRAWS,)).double() - args.logit_mean) / args.logit_std
+            )
+        else:
+            v = torch.rand(DRAWS).double()
+        law = _flow_law(args, family.contract, scheduler, (2, 2), torch.float32)
+        index = torch.searchsorted(law.probs.cumsum(0), v, right=True).clamp(max=law.values.numel() - 1)
+        return same("timesteps", law.labels[index].double(), t.reshape(-1).double()) or same(
+            "σ", law.values[index].double(), sigmas.reshape(-1).double()
+        )
+
+    return compare
+
+
+def _ddpm_law(family: DDPMFamily) -> Callable[[], str | None]:
+    """``get_timesteps`` against the DDPM law's uniform atoms on [t_min, t_max) (t_max alone when empty)."""
+
+    def compare() -> str | None:
+        for lo, hi in ((0, 1000), (200, 700), (500, 500)):
+            _seeded()
+            host = family.module.get_timesteps(lo, hi, DRAWS, "cpu")
+            _seeded()
+            atoms = ddpm_law(lo, hi, ddpm_alphas_cumprod()).labels
+            ours = atoms[torch.randint(0, atoms.numel(), (DRAWS,))] if atoms.numel() > 1 else atoms.expand(DRAWS)
+            gap = same(f"timesteps on [{lo}, {hi})", ours.long(), host.long())
+            if gap:
+                return gap
+        return None
+
+    return compare
+
+
+class _DdpmScheduler:
+    """The DDPM scheduler surface ``get_noise_noisy_latents_and_timesteps`` reads (a fixed input)."""
+
+    config = SimpleNamespace(num_train_timesteps=1000)
+
+    def __init__(self) -> None:
+        self.alphas_cumprod = ddpm_alphas_cumprod().float()
+
+    def add_noise(self, latents: torch.Tensor, noise: torch.Tensor, timesteps: torch.Tensor) -> torch.Tensor:
+        a = self.alphas_cumprod[timesteps].view(-1, 1, 1, 1)
+        return a.sqrt() * latents + (1 - a).sqrt() * noise
+
+
+def _ddpm_replay(family: DDPMFamily, scheduler: Any) -> Callable[[], str | None]:
+    """A replayed timestep reaches the host's noise path (it looks ``get_timesteps`` up as a module attribute)."""
+
+    def compare() -> str | None:
+        args, latents = host_args(), _fixed(2, 4, 4, 4)
+        bound = family.bind(args, scheduler, latents, "cpu", torch.float32)
+        wanted = torch.tensor([17, 923])
+        positions = bound.pool.add(wanted, torch.zeros(2))
+        with bound.replay(positions):
+            _, _, t = family.module.get_noise_noisy_latents_and_timesteps(args, copy.copy(scheduler), latents)
+        return same("the replayed timesteps", t.long().cpu(), wanted)
+
+    return compare
+
+
+def pieces(family: SamplerFamily, scheduler: Any) -> list[Piece]:
+    """The self-check of one σ family (the module the trainer reaches), with ``scheduler`` as the fixed
+    input of its flow modes (the trainer's own at ``prepare_network``; the host's class before)."""
+    if isinstance(family, DDPMFamily):
+        name = family.module.__name__
+        ddpm_scheduler = scheduler if hasattr(scheduler, "add_noise") else _DdpmScheduler()
+        return [
+            Piece("the DDPM law's uniform atoms (sigma.ddpm_law)", f"{name}.get_timesteps", _ddpm_law(family)),
+            Piece("the routed step's timestep replay (families.DDPMFamily)", f"{name}.get_noise_noisy_latents_and_timesteps",
+                  _ddpm_replay(family, ddpm_scheduler)),
+        ]  # fmt: skip
+    function = f"{family.module.__name__}.{family.fn_name}"
+    out = [Piece("the routed step's noisy input for a replayed σ (families.FlowFamily replay)", function, _rebuild(family, scheduler))]
+    if family.contract == "sd3":
+        return out + [
+            Piece(f"SD3's exact σ law, {scheme} density (sigma.sd3_law)", function, _atom_law(family, scheduler, scheme))
+            for scheme in ("uniform", "logit_normal")
+        ]
+    modes = ("uniform", "sigmoid", "shift", "flux_shift") + (("nextdit_shift",) if family.contract == "lumina" else ())
+    out += [
+        Piece(f"the exact σ law of timestep_sampling={mode} (sigma.SigmaSampler)", function, _continuous_law(family, scheduler, mode))
+        for mode in modes
+    ]
+    return out + [
+        Piece(f"the sigma grid's exact law, {scheme} density (sigma.grid_law)", function, _atom_law(family, scheduler, scheme))
+        for scheme in ("uniform", "logit_normal")
+    ]
+
+
+def refuse_host_drift(family: SamplerFamily, scheduler: Any) -> None:
+    """``start``: stop the run (HostError) when the host's functions differ from what the plugin re-implements."""
+    refuse_drift(pieces(family, scheduler), CHECKED_AGAINST, HostError)
+
+
+def standalone(record: TrainerArch, module: ModuleType) -> list[Piece]:
+    """The pieces before a trainer exists: the host's own scheduler class (flow) or a fixed DDPM stand-in."""
+    contract = record.sampler[1]
+    if contract == "ddpm":
+        return pieces(DDPMFamily(module), _DdpmScheduler())
+    scheduler_module, scheduler_class = SCHEDULER_HANDLE
+    scheduler = getattr(importlib.import_module(scheduler_module), scheduler_class)(num_train_timesteps=1000, shift=3.0)
+    return pieces(FlowFamily(module, contract), scheduler)

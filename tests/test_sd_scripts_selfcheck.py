@@ -1,0 +1,135 @@
+"""Host drift caught at start (``hosts/sd_scripts/selfcheck.py``), on the sd-scripts doubles.
+
+Every piece the plugin re-implements agrees with the doubles (which follow the host exactly); a host
+function patched to drift stops the run in ``prepare_network`` before its first step, and the startup
+check and ``check --`` before any model loads, each naming the function and the revision the plugin
+was checked against.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from host_modules import DOUBLES, run_double
+
+from downscale_plugin.__main__ import main as cli_main
+from downscale_plugin.hosts.kohya.selfcheck import drift_problems
+from downscale_plugin.hosts.sd_scripts import selfcheck
+from downscale_plugin.hosts.sd_scripts.facts import BY_ARCH, TRAINER_ARCHS, HostError
+from downscale_plugin.hosts.sd_scripts.startup import command_line_drift
+from downscale_plugin.hosts.sd_scripts.trainer import make_family
+
+pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")
+
+ROUTED = {"routes": [{"scale": 0.5, "sigma_min": 0.0}]}
+RES = "128,128"
+CHECKED = "the plugin was checked against sd-scripts 48d368fa"
+
+
+def _startup_check():
+    """This checkout's startup file (an installed ``.pth`` may have imported another one first)."""
+    spec = importlib.util.spec_from_file_location("this_startup_check", Path(__file__).parent.parent / "downscale_plugin_startup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _scaled_noise(monkeypatch, module_name: str) -> None:
+    """The host's noisy input with the noise scaled by 1.01 (σ, timesteps and draws unchanged)."""
+    module = importlib.import_module(module_name)
+    original = module.get_noisy_model_input_and_timesteps
+
+    def drifted(*args):
+        *head, noise, device, dtype = args
+        return original(*head, noise * 1.01, device, dtype)
+
+    monkeypatch.setattr(module, "get_noisy_model_input_and_timesteps", drifted)
+
+
+@pytest.mark.parametrize("record", TRAINER_ARCHS, ids=lambda r: r.arch)
+def test_every_piece_agrees_with_the_host(record):
+    family = make_family(record)
+    checks = selfcheck.standalone(record, family.module)
+    assert len(checks) >= 2
+    before = torch.get_rng_state()
+    assert drift_problems(checks, selfcheck.CHECKED_AGAINST) == []
+    assert torch.equal(torch.get_rng_state(), before)  # every compare ran in a fork
+
+
+@pytest.mark.parametrize(
+    ("arch", "module"), [("flux", "library.flux_train_utils"), ("lumina", "library.lumina_train_util"), ("sd3", "library.sd3_train_utils")]
+)
+def test_a_drifted_noisy_input_stops_the_run_before_its_first_step(arch, module, monkeypatch):
+    _scaled_noise(monkeypatch, module)
+    with pytest.raises(HostError) as raised:
+        run_double(arch, "--resolution", RES, "--max_train_steps", "2", downscale=ROUTED)
+    text = str(raised.value)
+    assert f"{module}.get_noisy_model_input_and_timesteps no longer matches the routed step's noisy input" in text
+    assert CHECKED in text and "noisy input (ip_noise_gamma None): max |host − plugin| = " in text
+
+
+def test_a_drifted_mu_table_names_the_law_and_the_grid(monkeypatch):
+    """Lumina's ``nextdit_shift`` μ read off another line (a host change of ``get_lin_function``'s ends)."""
+    module = importlib.import_module("library.lumina_train_util")
+    original = module.get_noisy_model_input_and_timesteps
+
+    def drifted(args, scheduler, latents, noise, device, dtype):
+        noisy, t, sigmas = original(args, scheduler, latents, noise, device, dtype)
+        if args.timestep_sampling == "nextdit_shift":
+            sigmas = sigmas**1.05
+        return noisy, t, sigmas
+
+    monkeypatch.setattr(module, "get_noisy_model_input_and_timesteps", drifted)
+    problems = drift_problems(selfcheck.standalone(BY_ARCH["lumina"], module), selfcheck.CHECKED_AGAINST)
+    assert len(problems) == 1, problems
+    assert "the exact σ law of timestep_sampling=nextdit_shift (sigma.SigmaSampler)" in problems[0]
+    assert "σ at latent 32x32: max |host − plugin|" in problems[0] and CHECKED in problems[0]
+
+
+def test_ddpm_drifts_are_refused(monkeypatch):
+    """SD1/SDXL: ``get_timesteps`` drawing another law, and a noise path that no longer reaches it."""
+    train_util = importlib.import_module("library.train_util")
+    original = train_util.get_timesteps
+    monkeypatch.setattr(
+        train_util, "get_timesteps", lambda lo, hi, b, device: original(lo, hi + 1, b, device) if lo < hi else original(lo, hi, b, device)
+    )
+    with pytest.raises(HostError, match=r"library\.train_util\.get_timesteps no longer matches the DDPM law's uniform atoms"):
+        run_double("sdxl", "--resolution", RES, "--max_train_steps", "2", downscale=ROUTED)
+    monkeypatch.setattr(train_util, "get_timesteps", original)
+    noise_path = train_util.get_noise_noisy_latents_and_timesteps
+    monkeypatch.setattr(
+        train_util,
+        "get_noise_noisy_latents_and_timesteps",
+        lambda args, scheduler, latents: _inlined(noise_path, original, args, scheduler, latents),
+    )
+    problems = drift_problems(selfcheck.pieces(make_family(BY_ARCH["sdxl"]), selfcheck._DdpmScheduler()), selfcheck.CHECKED_AGAINST)
+    assert len(problems) == 1 and "get_noise_noisy_latents_and_timesteps no longer matches the routed step's timestep replay" in problems[0]
+
+
+def _inlined(noise_path, get_timesteps, args, scheduler, latents):
+    """The host's noise path with ``get_timesteps`` bound at definition instead of looked up at call time."""
+    globals_ = dict(noise_path.__globals__, get_timesteps=get_timesteps)
+    inlined = type(noise_path)(noise_path.__code__, globals_, noise_path.__name__, noise_path.__defaults__, noise_path.__closure__)
+    return inlined(args, scheduler, latents)
+
+
+def test_the_startup_check_and_check_refuse_a_drifted_host_before_any_model_loads(monkeypatch, capsys):
+    command = [f"{DOUBLES}/flux_train_network.py", "--network_module", "downscale_plugin", "--network_args", "ds_routes=1024:768@0.65-0.95"]
+    startup = _startup_check()
+    assert startup.report(command) is None
+    assert cli_main(["check", "--", *command]) == 0
+    _scaled_noise(monkeypatch, "library.flux_train_utils")
+    report = startup.report(command)
+    assert "library.flux_train_utils.get_noisy_model_input_and_timesteps no longer matches" in report and CHECKED in report
+    assert "stopped before the trainer loads any model" in report
+    capsys.readouterr()
+    assert cli_main(["check", "--", *command]) == 2
+    assert "library.flux_train_utils.get_noisy_model_input_and_timesteps no longer matches" in capsys.readouterr().err
+
+
+def test_a_script_of_another_host_is_left_alone():
+    assert command_line_drift(["wan_train_network.py", "--network_module", "downscale_plugin"]) == []

@@ -1,5 +1,5 @@
-"""The measurement's gradient (``estimator.flat_grad``) through the hosts' checkpointing: every trainable parameter's
-gradient, the same as without checkpointing, and every ``.grad`` and the optimizer's state as they were.
+"""The measurement's gradient (``estimator.flat_grad``) through the hosts' checkpointing and compile: every trainable
+parameter's gradient, the same as without, and every ``.grad`` and the optimizer's state as they were.
 
 The checkpointers are the hosts': ``torch.utils.checkpoint`` reentrant (sd-scripts' SDXL UNet, ``USE_REENTRANT = True``)
 and not (every other DiT of both hosts), and Anima's unsloth checkpointer (the double in ``library.tiny_models``,
@@ -51,6 +51,8 @@ class Model(nn.Module):
             h = torch.utils.checkpoint.checkpoint(self.block, h, scale, use_reentrant=False)
         elif self.checkpointing == "unsloth":
             h = UnslothOffloadedGradientCheckpointer.apply(self.block, h, scale)
+        elif self.checkpointing == "compiled":  # --torch_compile / --compile: AOTAutograd's graphs (the eager backend: no compiler)
+            h = torch.compile(self.block, backend="aot_eager", dynamic=False)(h, scale)
         else:
             h = self.block(h, scale)
         return (h**2).mean()
@@ -71,7 +73,7 @@ def _inputs() -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tensor(1.5).requires_grad_(True)
 
 
-CHECKPOINTING = ["none", "reentrant", "non-reentrant", "unsloth"]
+CHECKPOINTING = ["none", "reentrant", "non-reentrant", "unsloth", "compiled"]
 
 
 @pytest.mark.parametrize("checkpointing", CHECKPOINTING)

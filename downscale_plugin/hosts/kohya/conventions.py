@@ -35,6 +35,7 @@ from ...config import (
     DownscaleConfig,
     format_problems,
     load_config,
+    measures,
     package_problems,
 )
 
@@ -134,11 +135,60 @@ def _run_config(args: Any, problems: list[str]) -> DownscaleConfig | None:
         return None
 
 
+# Host options the in-run measurement (mode = "map", "auto") refuses, with the reason (docs/ARCHITECTURE.md,
+# "The in-run measurement and the hosts' options", has every option). Both hosts spell --blocks_to_swap alike;
+# --split_mode (sd-scripts' Flux) sets it, --deepspeed is sd-scripts' (musubi-tuner's DeepSpeed comes from
+# accelerate's config: refused at start, hosts/kohya/probes.py).
+MEASUREMENT_REFUSED = {
+    "blocks_to_swap": "its offloader moves the blocks' weights between devices from forward and backward hooks, outside "
+    "autograd, and the measurement's extra forward and backward passes are not tested with it",
+    "split_mode": "it swaps blocks (flux_train_network.py sets --blocks_to_swap 18)",
+    "deepspeed": "DeepSpeed's engine owns the backward pass and its gradient partitions; a measurement's backward would write into them",
+}
+# How the training script parses them (library/train_util.py, flux_train_network.py, library/deepspeed_utils.py;
+# musubi-tuner's training/parser_common.py), spelled out in full: an abbreviation is left to the script.
+_REFUSED_KINDS = {"blocks_to_swap": int, "split_mode": bool, "deepspeed": bool}
+
+
+def measurement_option_problems(cfg: DownscaleConfig, args: Any) -> list[str]:
+    """The host options in ``args`` (the trainer's, or a command line's merged values) that a run measuring in-run refuses."""
+    if not measures(cfg):
+        return []
+    problems = []
+    for name, why in MEASUREMENT_REFUSED.items():
+        value = getattr(args, name, None)
+        if value in (None, False, 0):
+            continue
+        given = f"--{name}" if isinstance(value, bool) else f"--{name} {value}"
+        problems.append(
+            f'{given}: mode = "{cfg.mode}" does not run with it: {why}; measure in a run without it '
+            f'(its windows then train any run of the model with mode = "train" and --{name})'
+        )
+    return problems
+
+
+def _refused_options(arguments: Sequence[str]) -> dict[str, Any]:
+    """The refused host options a command line gives (exact spellings; a bad value is the script's to report)."""
+    parser = _QuietParser(add_help=False, exit_on_error=False, allow_abbrev=False)
+    for name, kind in _REFUSED_KINDS.items():
+        if kind is bool:
+            parser.add_argument(f"--{name}", action="store_true", default=None)
+        else:
+            parser.add_argument(f"--{name}", type=kind, default=None)
+    try:
+        known, _ = parser.parse_known_args(list(arguments))
+    except (_Refused, argparse.ArgumentError):
+        return {}
+    return {name: value for name, value in vars(known).items() if value is not None}
+
+
 def config_from_training_toml(path: str) -> tuple[DownscaleConfig, dict[str, Any]]:
     """Read a training TOML: returns the plugin config and the flattened host args."""
     problems: list[str] = []
     flat = _read_training_toml(path, problems)
     cfg = _run_config(types.SimpleNamespace(**{**flat, "config_file": path}), problems) if flat or not problems else None
+    if cfg is not None:
+        problems += measurement_option_problems(cfg, types.SimpleNamespace(**flat))
     if problems:
         raise ConfigError(problems)
     return cfg, flat
@@ -210,7 +260,8 @@ def config_from_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict
     Returns (config, the merged host args); ConfigError lists every problem, also when the command does
     not train ``--network_module downscale_plugin``.
     """
-    line = parse_command_line(trainer_arguments(argv))
+    arguments = trainer_arguments(argv)
+    line = parse_command_line(arguments)
     problems: list[str] = []
     flat: dict[str, Any] = {}
     if line.config_file:
@@ -218,7 +269,7 @@ def config_from_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict
         if problems and not flat:  # missing or not TOML: nothing else is worth reporting
             raise ConfigError(problems)
     given = {"config_file": line.config_file, "network_module": line.network_module, "network_args": line.network_args}
-    merged = {**flat, **{key: value for key, value in given.items() if value is not None}}
+    merged = {**flat, **{key: value for key, value in given.items() if value is not None}, **_refused_options(arguments)}
     module = merged.get("network_module")
     if module != PLUGIN_MODULE and not problems:
         where = "--network_module" if line.network_module is not None else "the training TOML's network_module"
@@ -226,7 +277,7 @@ def config_from_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict
         raise ConfigError([f"network_module: {shown}: this command does not train with {PLUGIN_MODULE}"])
     cfg = _run_config(types.SimpleNamespace(**merged), problems)
     if cfg is not None:
-        problems += package_problems(cfg)
+        problems += package_problems(cfg) + measurement_option_problems(cfg, types.SimpleNamespace(**merged))
     if problems:
         raise ConfigError(problems)
     return cfg, merged

@@ -29,10 +29,12 @@ from ...rng import accelerator_devices, plugin_logger
 from ...scope import Patches
 from ...text import route_rows
 from .backend import ProbeBackend
-from .conventions import file_identity
+from .conventions import file_identity, measurement_option_problems
 from .run import DownscaleRun, version
 
 logger = plugin_logger(__name__)
+
+FOREIGN_BACKWARD = ("DEEPSPEED", "FSDP", "MEGATRON_LM")  # accelerate's DistributedType names whose engines own the backward
 
 
 class ForcedSteps:
@@ -94,6 +96,13 @@ class ProbeSession:
         problems = []
         if run.world_size > 1:
             problems.append(f"{run.world_size} processes: the {self.mode} runs on one process (launch with --num_processes 1)")
+        problems += measurement_option_problems(run.cfg, self.ctx.args)
+        distributed = getattr(getattr(run.accelerator, "distributed_type", None), "name", None)
+        if distributed in FOREIGN_BACKWARD:
+            problems.append(
+                f"accelerate's {distributed}: the {self.mode} takes each gradient by a plain backward, which its engine's "
+                "gradient partitions or shards would take as the run's; measure in a run without it"
+            )
         spec = get_arch(run.arch)
         for h, w in self.buckets.latent_buckets:
             bad = [r for r in ratios if target_grid((h, w), r, spec) is None]

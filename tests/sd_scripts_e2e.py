@@ -2,7 +2,7 @@
 
     python tests/sd_scripts_e2e.py {flux,sd3,anima} WORK_DIR [train|map-stop|map-train|auto|record ARGS...]
     python tests/sd_scripts_e2e.py flux WORK_DIR ranks [ARGS...]
-    (cwd: the sd-scripts checkout on sys.path)
+    (cwd: the sd-scripts checkout; the plugin installed, ``pip install -e``)
 
 The script runs exactly as ``python flux_train_network.py --config_file train.toml`` does (``runpy``,
 so the trainer class lives in ``__main__``: the duplicate-class trap the plugin must survive), over a
@@ -630,6 +630,7 @@ def rank_main(work: Path, *train_argv: str) -> None:
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, os.getcwd())  # the checkout, as `python flux_train_network.py` run there has it (the plugin: installed)
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     if sys.argv[1] == "--rank":  # a rank of main_ranks' launch: --rank flux WORK [TRAINING ARGS...]
         rank_main(Path(sys.argv[3]), *sys.argv[4:])

@@ -41,7 +41,6 @@ sigma_min = 0.6
 def run_e2e(work: Path, foreign: str, mode: str = "train", **env_extra: str) -> subprocess.CompletedProcess:
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)]),
         "COLUMNS": "1000",
         "E2E_ROUTES": FOREIGN.format(foreign=foreign),
         **env_extra,
@@ -95,7 +94,6 @@ def recorded(work: Path, out: Path, *argv: str, table: str = AUTO_RESUME, steps:
     """The real Flux script through ``sd_scripts_e2e.py record`` with ``table``: 16 images × ``repeats``, batch 1, accumulation 2."""
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)]),
         "COLUMNS": "1000",
         "E2E_ROUTES": table.format(out=out),
         "E2E_IMAGES": "16",

@@ -32,7 +32,6 @@ BUCKETS = [[16, 16], [12, 20]]  # 128² and 160×96 at the latent grid
 def _run(arch: str, work: Path) -> dict:
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "E2E_STEPS": str(STEPS), "COLUMNS": "1000",
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
     }  # fmt: skip
     python = os.environ.get("MUSUBI_PYTHON", sys.executable)
     proc = subprocess.run(

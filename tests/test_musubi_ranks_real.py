@@ -44,7 +44,6 @@ def run(tmp_path_factory) -> dict:
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "1000",
         "E2E_STEPS": str(STEPS), "E2E_PROCESSES": str(PROCESSES),
-        "PYTHONPATH": os.pathsep.join(filter(None, [str(HERE.parent), os.environ.get("PYTHONPATH")])),
     }  # fmt: skip
     python = os.environ.get("MUSUBI_PYTHON", sys.executable)
     argv = [python, str(HERE / "musubi_e2e.py"), "wan_ranks", str(work), "--gradient_accumulation_steps", str(ACCUMULATION)]

@@ -80,6 +80,7 @@ def mc_fractions(request):
     return run_selected_cases(request, "test_plan_matches_the_router", ("mode", "gate", "batch", "steps"), _mc_case, cost)
 
 
+@pytest.mark.long  # the default run checks the plan against the router in this file's cheaper tests (fill, demotion, spans)
 @pytest.mark.parametrize("mode", ["sigmoid", "flux_shift"])
 @pytest.mark.parametrize("gate,batch,steps", MC_CASES)
 def test_plan_matches_the_router(mc_fractions, mode, gate, batch, steps):

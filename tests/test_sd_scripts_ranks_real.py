@@ -46,7 +46,6 @@ def run(tmp_path_factory) -> dict:
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "1000",
         "E2E_STEPS": str(STEPS), "E2E_PROCESSES": str(PROCESSES),
-        "PYTHONPATH": os.pathsep.join(filter(None, [SD_SCRIPTS_DIR, str(HERE.parent), os.environ.get("PYTHONPATH")])),
     }  # fmt: skip
     argv = [sys.executable, str(HERE / "sd_scripts_e2e.py"), "flux", str(work), "ranks", "--gradient_accumulation_steps", str(ACCUMULATION)]
     proc = subprocess.run(argv, cwd=SD_SCRIPTS_DIR, env=env, capture_output=True, text=True, timeout=600)

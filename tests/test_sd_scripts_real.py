@@ -487,7 +487,7 @@ def test_banner_tables_stay_tables_under_the_hosts_logging_setup(capsys):
 def end_to_end(arch: str, work: Path, mode: str = "train") -> str:
     """Run ``tests/sd_scripts_e2e.py`` (the real script's ``__main__`` path); its log, whitespace collapsed
     (the host logs through rich, which pads lines)."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)]), "COLUMNS": "1000"}  # unwrapped log lines
+    env = {**os.environ, "COLUMNS": "1000"}  # unwrapped log lines
     proc = subprocess.run(
         [sys.executable, str(HERE / "sd_scripts_e2e.py"), arch, str(work), mode],
         cwd=SD_SCRIPTS_DIR,
@@ -647,7 +647,9 @@ def test_rng_real_training_script_never_reseeds_a_global_generator(arch, mode, t
         "print('TRAP', trap.restores, trap.seeded, len(trap.violations)); print(trap.report())\n"
         "sys.exit(1 if trap.violations or not trap.restores or not trap.seeded else 0)\n"
     )
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE), str(HERE.parent)]), "HF_HUB_OFFLINE": "1"}
+    # the harness and the trap importable; `-c` puts the checkout (cwd) on sys.path
+    pythonpath = os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")]))
+    env = {**os.environ, "PYTHONPATH": pythonpath, "HF_HUB_OFFLINE": "1"}
     proc = subprocess.run(
         [sys.executable, "-c", runner, arch, str(tmp_path), mode], cwd=SD_SCRIPTS_DIR, env=env, capture_output=True, text=True
     )
@@ -688,7 +690,6 @@ def recorded_run(work: Path, accumulation: int, *argv: str) -> tuple[dict, str]:
     images, steps, _ = RESUME_RUNS[accumulation]
     env = {
         **os.environ,
-        "PYTHONPATH": os.pathsep.join([SD_SCRIPTS_DIR, str(HERE.parent)]),
         "COLUMNS": "1000",
         "E2E_ROUTES": RESUME_TOML,
         "E2E_IMAGES": str(images),

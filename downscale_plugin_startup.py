@@ -19,7 +19,7 @@ DISABLE = "DOWNSCALE_PLUGIN_NO_STARTUP_CHECK"
 NAME = "downscale_plugin"
 # Each host's self-check of the checkout a command line runs (``command_line_drift(argv)`` → problems; nothing
 # for another host's script or a checkout not importable here): its functions against what the plugin re-implements.
-DRIFT_CHECKS = ("downscale_plugin.hosts.sd_scripts.startup",)
+DRIFT_CHECKS = ("downscale_plugin.hosts.sd_scripts.startup", "downscale_plugin.hosts.musubi.startup")
 
 
 def _mentions_plugin(argv):

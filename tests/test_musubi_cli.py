@@ -8,6 +8,7 @@ choices and defaults are compared where ``musubi_tuner`` is importable."""
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import math
 import sys
 import textwrap
@@ -433,3 +434,50 @@ def test_plan_draws_with_the_real_host_sampler(tmp_path):
     assert "exact law" in inputs.sampler_text
     for i in (0, 1, -1):
         assert _close(real.probs[i], law.probs[i], 30_000)
+
+
+def test_the_real_hosts_functions_pass_the_self_check(monkeypatch):
+    """Every piece the plugin re-implements agrees with musubi-tuner's own functions, Wan 2.2's expert override too."""
+    _real_musubi()
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # wan/modules/t5.py evaluates it at import (no GPU here)
+    from musubi_tuner.wan_train_network import WanNetworkTrainer
+
+    from downscale_plugin.hosts.kohya.selfcheck import drift_problems
+    from downscale_plugin.hosts.musubi.selfcheck import CHECKED_AGAINST, pieces
+
+    wan = WanNetworkTrainer()
+    wan.high_low_training, wan.timestep_boundary, wan.next_model_is_high_noise = True, 0.875, False  # as --dit_high_noise sets them
+    checks = pieces(wan, BY_ARCH["wan"])
+    assert "expert" in checks[-1].what and drift_problems(checks, CHECKED_AGAINST) == []
+
+
+def _startup_check():
+    """This checkout's startup file (an installed ``.pth`` may have imported another one first)."""
+    spec = importlib.util.spec_from_file_location("this_startup_check", ROOT / "downscale_plugin_startup.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_check_and_the_startup_check_report_a_drifted_musubi_function(tmp_path, capsys, monkeypatch):
+    """``check --host musubi -- SCRIPT`` and the startup check run the self-check on the script's musubi-tuner before
+    any model loads: a μ line that moved is named with the host function and the revision, as the run's refusal names
+    it; the real functions pass."""
+    _real_musubi()
+    from musubi_tuner.utils import train_utils
+
+    script = str(Path(train_utils.__file__).resolve().parents[3] / "qwen_image_train_network.py")
+    train = _write(tmp_path, "train.toml", QWEN)
+    startup = _startup_check()
+    assert startup.report(["accelerate", "launch", script, "--config_file", train]) is None
+    code, _, err = _run(capsys, "check", "--host", "musubi", "--", script, "--config_file", train)
+    assert code == 0, err
+    host = train_utils.get_lin_function
+    monkeypatch.setattr(train_utils, "get_lin_function", lambda x1=256, y1=0.5, x2=4096, y2=1.15: host(x1, y1, x2, y2 + 0.05))
+    code, _, err = _run(capsys, "check", "--host", "musubi", "--", script, "--config_file", train)
+    assert code == 2
+    assert "musubi_tuner.training.trainer_base.NetworkTrainer.get_noisy_model_input_and_timesteps no longer matches" in err
+    assert "the exact σ law of timestep_sampling=flux_shift" in err and "checked against musubi-tuner 30c658c4" in err
+    report = startup.report(["accelerate", "launch", script, "--config_file", train])
+    assert "NetworkTrainer.get_noisy_model_input_and_timesteps no longer matches the exact σ law of timestep_sampling=qwen_shift" in report
+    assert "stopped before the trainer loads any model" in report

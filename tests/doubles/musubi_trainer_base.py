@@ -390,7 +390,7 @@ class NetworkTrainer:
             t_uniform = torch.clamp(t_uniform, 1e-7, 1.0 - 1e-7)
             return math.sqrt(2.0) * torch.erfinv(2.0 * t_uniform - 1.0)
 
-        if args.timestep_sampling in ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "logsnr", "flux2_shift"):
+        if args.timestep_sampling in ("uniform", "sigmoid", "shift", "flux_shift", "qwen_shift", "krea2_shift", "logsnr", "flux2_shift"):
 
             def compute_sampling_timesteps(org_timesteps):
                 def rand(bs, org_ts=None):
@@ -413,6 +413,8 @@ class NetworkTrainer:
                             mu = get_lin_function(y1=0.5, y2=1.15)((h // 2) * (w // 2))
                         elif args.timestep_sampling == "flux2_shift":
                             mu = get_lin_function(y1=0.5, y2=1.15)(h * w)
+                        elif args.timestep_sampling == "krea2_shift":
+                            mu = get_lin_function(x1=256, y1=0.5, x2=6400, y2=1.15)((h // 2) * (w // 2))
                         else:
                             mu = get_lin_function(x1=256, y1=0.5, x2=8192, y2=0.9)((h // 2) * (w // 2))
                         shift = math.exp(mu)

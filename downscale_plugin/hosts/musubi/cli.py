@@ -34,10 +34,10 @@ from ...plan import Sampler
 from ...sigma import ContinuousLaw
 from ..kohya.conventions import config_from_command_line, config_from_training_toml
 from .buckets import MusubiBuckets, latent_frames
-from .facts import BY_ARCH, MUSUBI_ARCHS, REFUSED_TRAINERS, SUPPORTED, HostError
+from .facts import BY_ARCH, MUSUBI_ARCHS, REFUSED_TRAINERS, SUPPORTED, TRAINER_BASE, HostError
 from .family import FLOW_MODES, MusubiFamily, flow_law, run_sampler
+from .startup import command_line_drift
 
-TRAINER_BASE = "musubi_tuner.training.trainer_base"  # NetworkTrainer and FlowMatchDiscreteScheduler
 TIMESTEP_SAMPLING = ("sigma", *FLOW_MODES)  # --timestep_sampling's choices (training/parser_common.py)
 WEIGHTING_SCHEMES = ("logit_normal", "mode", "cosmap", "sigma_sqrt", "none")
 # musubi-tuner's parser defaults (training/parser_common.py _add_timestep_args)
@@ -143,13 +143,14 @@ def script_arch(argv: Sequence[str]) -> str | None:
 
 def read_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict[str, Any]]:
     """``check --host musubi -- TRAINER COMMAND``: the run's config as the network module reads it, and
-    what the run would refuse at start."""
+    what the run would refuse at start, including the drift self-check of the script's musubi-tuner where it is
+    importable (``selfcheck.py``)."""
     try:
         arch = script_arch(argv)
     except HostError as err:
         raise ConfigError([str(err)]) from None
     cfg, merged = config_from_command_line(argv)
-    problems = _run_problems(cfg, merged, arch)
+    problems = _run_problems(cfg, merged, arch) + command_line_drift(argv)
     if problems:
         raise ConfigError(problems)
     return cfg, merged

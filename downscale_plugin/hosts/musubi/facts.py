@@ -20,6 +20,8 @@ PROCESS_BATCH = (
 SAMPLER = ("args", "noise", "latents", "timesteps", "noise_scheduler", "device", "dtype")
 SAMPLER_METHOD = "get_noisy_model_input_and_timesteps"
 BASE_TRAINER = "NetworkTrainer"  # training/trainer_base.py: its sampler is what every supported arch runs per sample
+TRAINER_BASE = "musubi_tuner.training.trainer_base"  # its module: NetworkTrainer and FlowMatchDiscreteScheduler
+HOST_PACKAGE = "musubi_tuner"
 
 # Batch keys that carry spatial conditioning the plugin would have to downsample with the latents.
 CONDITIONING_PREFIXES = ("latents_image", "latents_control", "latents_clean")

@@ -11,7 +11,10 @@ Besides the RNG (forked by the router), the sampler touches trainer state: the t
 (``timestep_range_pool``, popped by ``get_bucketed_timestep``) and, for Wan 2.2's two experts, the
 flag naming the expert of the next forward. Every dry run leaves both as it found them; a replay
 first runs the host's own draw at the native grid (so RNG, pool and flag advance exactly as without
-the plugin), then sets the expert flag from the replayed σ as the host's sampler would have.
+the plugin), then builds the step: in the flow modes the host's own sampler does, handed σ through its
+path for given timesteps (:func:`given_sigmas`); on the scheduler grid, whose branch draws its own index,
+the plugin rebuilds the host's σ·noise + (1 − σ)·latents; and it sets the expert flag from the replayed σ
+as the host's sampler would have. What is re-implemented here is checked against the host at start (``selfcheck.py``).
 
 Exact laws (``BoundSampler.law``) exist for the flow modes ``uniform``, ``sigmoid``, ``shift``,
 ``flux_shift``, ``flux2_shift``, ``qwen_shift``, ``krea2_shift`` (each a logistic-normal σ shifted by
@@ -25,6 +28,7 @@ through the host's own bucket path; each bucketed uniform is marginally uniform 
 
 from __future__ import annotations
 
+import copy
 import math
 import sys
 from collections.abc import Callable, Iterator
@@ -107,6 +111,24 @@ def grid_law(args: Any, noise_scheduler: Any, dtype: torch.dtype) -> DiscreteLaw
     timesteps = noise_scheduler.timesteps.detach().cpu()[t_min:t_max]
     sigmas = noise_scheduler.sigmas.detach().cpu().to(dtype)[t_min:t_max]
     return DiscreteLaw(sigmas.double(), edges[1:] - edges[:-1], timesteps)
+
+
+# The flow branch's own path for σ the caller gives: "uniform" with the batch's timesteps returns them as t, and an
+# unset range scales by exactly 1 (training/trainer_base.py); selfcheck.py checks it against the host's own draws.
+GIVEN_SIGMAS = {"timestep_sampling": "uniform", "min_timestep": None, "max_timestep": None, "preserve_distribution_shape": False}
+
+
+def given_sigmas(args: Any) -> Any:
+    """``args`` for which the host's flow branch runs the σ it is handed as the batch's ``timesteps``."""
+    out = copy.copy(args)
+    for name, value in GIVEN_SIGMAS.items():
+        setattr(out, name, value)
+    return out
+
+
+def expert_is_high(timesteps: torch.Tensor, boundary: float) -> bool:
+    """Wan 2.2's choice of expert for a batch, from its first timestep (wan_train_network.py's sampler override)."""
+    return bool(timesteps[0] / 1000.0 >= boundary)
 
 
 def base_sampler(trainer: Any) -> Callable:
@@ -200,17 +222,15 @@ class MusubiFamily:
             def replayed(args, noise, latents, timesteps, noise_scheduler, device, dtype):
                 # the host's own draw at the native grid: RNG, bucket pool and expert flag advance as without the plugin
                 original(args, *stand_ins(latents.shape[0]), timesteps, noise_scheduler, device, dtype)
-                t = t_values.to(device=device, dtype=kind.timesteps)
-                view = (-1,) + (1,) * (latents.ndim - 1)
-                if flow:
-                    sigma = s_values.to(device=device, dtype=kind.timesteps).view(view)
-                    noisy = (1 - sigma) * latents + sigma * noise
-                else:
-                    sigma = s_values.to(device=device, dtype=dtype).view(view)
+                if flow:  # the host builds the step from σ itself: noisy input, timesteps = 1000·σ + 1
+                    noisy, t = self.base(given_sigmas(args), noise, latents, s_values.tolist(), noise_scheduler, device, dtype)
+                else:  # the scheduler branch draws its own index: the plugin builds its formula (selfcheck.py checks it)
+                    t = t_values.to(device=device, dtype=kind.timesteps)
+                    sigma = s_values.to(device=device, dtype=dtype).view((-1,) + (1,) * (latents.ndim - 1))
                     noisy = sigma * noise + (1.0 - sigma) * latents
                 if expert is not None:
                     flag, boundary = expert
-                    setattr(self.trainer, flag, t[0] / 1000.0 >= getattr(self.trainer, boundary))
+                    setattr(self.trainer, flag, expert_is_high(t, getattr(self.trainer, boundary)))
                 return noisy, t
 
             return swap_attr(self.trainer, SAMPLER_METHOD, replayed)

@@ -41,6 +41,7 @@ from .compile import compile_warning
 from .facts import BASE_TRAINER, SUPPORTED, HostError, MusubiArch, trainer_arch
 from .family import MusubiFamily, run_sampler
 from .hook import ProcessBatchHook
+from .selfcheck import refuse_host_drift
 from .trainer import TrainerContext, check_methods, check_run, find_trainer
 
 logger = plugin_logger(__name__)
@@ -193,6 +194,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     refuse_unsupported(cfg)
     check_methods(ctx.trainer)
     check_run(ctx, record, cfg.gate)
+    refuse_host_drift(ctx.trainer, record)  # selfcheck.py; the startup check ran it before the DiT loaded
     family = MusubiFamily(ctx.trainer, record)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)

@@ -481,3 +481,18 @@ def test_check_and_the_startup_check_report_a_drifted_musubi_function(tmp_path, 
     report = startup.report(["accelerate", "launch", script, "--config_file", train])
     assert "NetworkTrainer.get_noisy_model_input_and_timesteps no longer matches the exact σ law of timestep_sampling=qwen_shift" in report
     assert "stopped before the trainer loads any model" in report
+
+
+def test_the_compile_warning_reads_musubi_tuners_own_compile_options():
+    """The options ``compile_warning`` reads are musubi-tuner's parser's (names, the unset dynamic mode, the limit)."""
+    from downscale_plugin.config import load_config
+    from downscale_plugin.hosts.musubi.buckets import MusubiBuckets
+    from downscale_plugin.hosts.musubi.compile import compile_warning
+
+    parser = _real_musubi().setup_parser_common()
+    cfg = load_config(table={"routes": [{"scale": 0.5, "sigma_min": 0.5}]})
+    buckets = MusubiBuckets([(8, 8), (16, 16)], [1.0, 1.0], 1, [1.0, 1.0])
+    warned = compile_warning(parser.parse_args(["--compile", "--compile_cache_size_limit", "2"]), cfg, "qwen_image", buckets, False)
+    assert "(--compile_dynamic auto)" in warned and "more than --compile_cache_size_limit = 2" in warned
+    assert compile_warning(parser.parse_args(["--compile", "--compile_dynamic", "true"]), cfg, "qwen_image", buckets, False) is None
+    assert compile_warning(parser.parse_args([]), cfg, "qwen_image", buckets, False) is None

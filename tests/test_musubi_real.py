@@ -13,7 +13,9 @@ Qwen-Image on items written by musubi-tuner's own cache writers (only the DiT lo
 routing, the saved LoRA's metadata and loading, and the counts across ``--save_state``/``--resume``;
 and Wan's whole ``NetworkTrainer.train`` on clips cached by its own writers: video routed at the small
 grid with every frame, and ``mode = "auto"`` certifying in the run and routing by its windows (and,
-when it opens nothing, the run bitwise the plain ``networks.lora_wan`` run's).
+when it opens nothing, the run bitwise the plain ``networks.lora_wan`` run's). And the drift self-check: a μ line of
+musubi-tuner's that moved stops the run at ``prepare_network``; a routed step follows a changed noisy input of its
+flow branch (``hosts/musubi/selfcheck.py``).
 """
 
 from __future__ import annotations
@@ -173,6 +175,49 @@ def test_routed_steps_run_the_real_dit_at_the_small_grid(musubi, arch, tmp_path)
     run = setup.network.downscale_run
     assert run.inner == {"wan": "networks.lora_wan", "qwen_image": "networks.lora_qwen_image"}[arch]
     assert run.totals.total_steps == 3 and run.totals.token_saving() == pytest.approx(0.75)
+
+
+def test_a_drifted_mu_table_stops_the_real_run_at_prepare_network(musubi, tmp_path, monkeypatch):
+    """musubi-tuner's own μ line for qwen_shift moves (``train_utils.get_lin_function``, y2 + 0.05): the run stops in
+    ``prepare_network``, before its first step, naming the host function and the revision it was checked against."""
+    from downscale_plugin.hosts.musubi.facts import HostError
+
+    train_utils = sys.modules["musubi_tuner.utils.train_utils"]
+    host = train_utils.get_lin_function
+    monkeypatch.setattr(train_utils, "get_lin_function", lambda x1=256, y1=0.5, x2=4096, y2=1.15: host(x1, y1, x2, y2 + 0.05))
+    with pytest.raises(HostError) as err:
+        Setup(musubi, "qwen_image", tmp_path, *ARGV["qwen_image"], network_args=(ROUTED,))
+    assert "NetworkTrainer.get_noisy_model_input_and_timesteps no longer matches the exact σ law of timestep_sampling=qwen_shift" in str(
+        err.value
+    )
+    assert "checked against musubi-tuner 30c658c4" in str(err.value)
+
+
+def test_real_routed_steps_follow_a_changed_host_noisy_input(musubi, tmp_path, monkeypatch):
+    """musubi-tuner's flow branch builds its noisy input another way (+ 0.1·latents): a routed step hands σ to the host's
+    own sampler, so its noisy input has the change too, at the small grid, and nothing is refused."""
+    base = sys.modules["musubi_tuner.training.trainer_base"].NetworkTrainer
+    host = base.get_noisy_model_input_and_timesteps
+
+    def get_noisy_model_input_and_timesteps(self, args, noise, latents, timesteps, noise_scheduler, device, dtype):
+        noisy, t = host(self, args, noise, latents, timesteps, noise_scheduler, device, dtype)
+        return (noisy + 0.1 * latents if args.timestep_sampling != "sigma" else noisy), t
+
+    monkeypatch.setattr(base, "get_noisy_model_input_and_timesteps", get_noisy_model_input_and_timesteps)
+    setup = Setup(musubi, "qwen_image", tmp_path, *ARGV["qwen_image"], network_args=(ROUTED,))
+    seen, call_dit = [], setup.trainer.call_dit
+
+    def recording(args, accelerator, transformer, latents, batch, noise, noisy_model_input, timesteps, *rest, **kw):
+        seen.append((latents.clone(), noise.clone(), noisy_model_input.clone(), timesteps.clone()))
+        return call_dit(args, accelerator, transformer, latents, batch, noise, noisy_model_input, timesteps, *rest, **kw)
+
+    setup.trainer.call_dit = recording
+    setup.steps(2)
+    assert setup.inputs == [SMALL["qwen_image"]] * 2 and len(seen) == 2
+    for latents, noise, noisy, t in seen:
+        sigma = ((t - 1) / 1000).view(-1, 1, 1, 1, 1)
+        assert latents.shape[-2:] == (4, 4)
+        assert torch.allclose(noisy, (1 - sigma) * latents + sigma * noise + 0.1 * latents, atol=1e-5)
 
 
 @pytest.mark.parametrize("arch", list(ARGV))

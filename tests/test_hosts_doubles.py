@@ -178,6 +178,8 @@ def _batch(trainer, seed: int) -> dict:
         "text_encoder_outputs_list": trainer.text_conds(2, gen),
         "loss_weights": torch.ones(2),
         "alpha_masks": None,
+        "original_sizes_hw": torch.tensor([[128, 128]] * 2),
+        "crop_top_lefts": torch.tensor([[0, 0]] * 2),
         "target_sizes_hw": torch.tensor([[128, 128]] * 2),
     }
 

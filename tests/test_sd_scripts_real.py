@@ -297,6 +297,35 @@ def test_sampler_slot_is_restored_after_a_host_exception(arch):
     assert getattr(module, name) is original
 
 
+def test_a_routed_sdxl_step_conditions_on_the_small_buckets_sizes_and_a_native_one_on_the_hosts():
+    """The real ``SdxlNetworkTrainer.call_unet``: a routed step's size embeddings are ``get_size_embeddings`` of the
+    source's original size, the crop and the target at the small grid (hook.at_grid_batch); the host's batch is
+    untouched and a step left to the host embeds its own sizes."""
+    from library import sdxl_train_util
+
+    setup = Setup("sdxl", ALL_ROUTED)
+    batch = batch_for("sdxl", 2, 0)
+    batch.update(
+        original_sizes_hw=torch.tensor([[300, 400], [128, 128]]),
+        crop_top_lefts=torch.tensor([[16, 8], [0, 0]]),
+        target_sizes_hw=torch.tensor([[128, 128], [128, 128]]),
+    )
+    frozen = {key: value.clone() for key, value in batch.items() if torch.is_tensor(value)}
+    pool = batch["text_encoder_outputs_list"][2].shape[1]
+    setup.step(batch)
+    routed = setup.calls[-1][0]
+    assert tuple(routed[0].shape[-2:]) == (8, 8)
+    small = sdxl_train_util.get_size_embeddings(
+        batch["original_sizes_hw"], batch["crop_top_lefts"] // 2, batch["target_sizes_hw"] // 2, "cpu"
+    )
+    assert torch.equal(routed[3][:, pool:], small)
+    assert all(torch.equal(batch[key], value) for key, value in frozen.items())
+    setup.step(batch, trainer=setup.plain)
+    native = setup.calls[-1][0]
+    own = sdxl_train_util.get_size_embeddings(batch["original_sizes_hw"], batch["crop_top_lefts"], batch["target_sizes_hw"], "cpu")
+    assert torch.equal(native[3][:, pool:], own) and not torch.equal(own, small)
+
+
 # -- host drift caught at start (hosts/sd_scripts/selfcheck.py) --------------------------------------
 
 

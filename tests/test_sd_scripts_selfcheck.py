@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from host_modules import DOUBLES, run_double
+from host_modules import DOUBLES, run_double, trainer_class
 
 from downscale_plugin.__main__ import main as cli_main
 from downscale_plugin.hosts.kohya.selfcheck import drift_problems
@@ -133,3 +133,19 @@ def test_the_startup_check_and_check_refuse_a_drifted_host_before_any_model_load
 
 def test_a_script_of_another_host_is_left_alone():
     assert command_line_drift(["wan_train_network.py", "--network_module", "downscale_plugin"]) == []
+
+
+@pytest.mark.parametrize("arch", ["flux", "sdxl"])
+def test_a_trainer_drawing_before_its_sigma_draw_is_refused(arch):
+    """The trainer's step drawing once more before its σ draw (the dry run would predict another σ)."""
+    base = trainer_class(arch)
+
+    class Drifted(base):
+        def get_noise_pred_and_target(self, *args, **kwargs):
+            torch.rand(1)
+            return super().get_noise_pred_and_target(*args, **kwargs)
+
+    with pytest.raises(HostError) as raised:
+        run_double(arch, "--resolution", RES, "--max_train_steps", "2", downscale=ROUTED, trainer=Drifted())
+    text = str(raised.value)
+    assert "Drifted.get_noise_pred_and_target no longer matches the dry run's RNG use before the σ draw" in text and CHECKED in text

@@ -1,4 +1,4 @@
-"""Double of ``sdxl_train_network.py``: inherits SD's step; ``call_unet`` adds a size vector."""
+"""Double of ``sdxl_train_network.py``: inherits SD's step; ``call_unet`` adds the batch's size conditioning to the vector."""
 
 import torch
 import train_network
@@ -19,7 +19,9 @@ class SdxlNetworkTrainer(train_network.NetworkTrainer):
     def call_unet(self, args, accelerator, unet, noisy_latents, timesteps, text_conds, batch, weight_dtype, indices=None):
         noisy_latents = noisy_latents.to(weight_dtype)
         hidden1, hidden2, pool2 = text_conds
-        sizes = batch["target_sizes_hw"].to(accelerator.device, weight_dtype) / 1024  # pixel sizes, not latent-shaped
+        # sdxl_train_util.get_size_embeddings embeds the three (B, 2) pixel sizes; the double passes them as they are
+        keys = ("original_sizes_hw", "crop_top_lefts", "target_sizes_hw")
+        sizes = torch.cat([batch[key] for key in keys], dim=1).to(accelerator.device, weight_dtype) / 1024
         return unet(noisy_latents, timesteps, torch.cat([hidden1, hidden2], dim=2), torch.cat([pool2, sizes], dim=1))
 
 

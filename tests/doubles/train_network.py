@@ -66,6 +66,10 @@ class TinyDataset:
                     "text_encoder_outputs_list": text_conds(self.batch_size, gen),
                     "loss_weights": torch.ones(self.batch_size),
                     "alpha_masks": None,
+                    # sd-scripts' size conditioning (library/train_util.py): each image's source size, its crop's
+                    # top-left in the bucket's pixels, the bucket (the cached latent's size × 8)
+                    "original_sizes_hw": torch.tensor([[height * 3 // 2, width * 2]] * self.batch_size),
+                    "crop_top_lefts": torch.tensor([[height // 4, 0]] * self.batch_size),
                     "target_sizes_hw": torch.tensor([[height, width]] * self.batch_size),
                 }
             )

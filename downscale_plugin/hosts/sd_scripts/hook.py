@@ -83,10 +83,31 @@ def at_grid(latents: torch.Tensor, hw: tuple[int, int] | None) -> torch.Tensor:
     return latents if hw is None or tuple(hw) == tuple(latents.shape[-2:]) else area_downsample(latents, hw)
 
 
+# The batch's (B, 2) pixel (h, w) coordinates of the grid its latents stand for (library/train_util.py): the bucket's
+# size (the cached latent's size × 8) and the crop's top-left in it. ``original_sizes_hw``, the source image's size, is
+# not one of them. SDXL's ``call_unet`` embeds all three (``sdxl_train_util.get_size_embeddings``).
+GRID_SIZE_KEYS = ("crop_top_lefts", "target_sizes_hw")
+
+
+def at_grid_batch(batch: Any, native_hw: tuple[int, int], run_hw: tuple[int, int]) -> Any:
+    """The batch a step at latent grid ``run_hw`` hands the host: a shallow copy whose size conditioning is what
+    sd-scripts gives the same image trained in a bucket of the small grid's size (target and crop scaled per axis
+    by run / native, rounded as the host's integers; the source's original size kept), so SDXL's "target 1024"
+    is only trained on 1024-px content. The host's batch is never changed; at the native grid it is returned as is."""
+    if tuple(run_hw) == tuple(native_hw) or not isinstance(batch, dict) or not all(k in batch for k in GRID_SIZE_KEYS):
+        return batch
+    out = dict(batch)
+    for key in GRID_SIZE_KEYS:
+        value = batch[key]
+        scale = torch.tensor([run_hw[0] / native_hw[0], run_hw[1] / native_hw[1]], dtype=torch.float64, device=value.device)
+        out[key] = (value.double() * scale).round().to(value.dtype)
+    return out
+
+
 class HostCall(NamedTuple):
     """The positional arguments of one host ``get_noise_pred_and_target`` call, by name (the host's
     signature: ``NetworkTrainer.get_noise_pred_and_target`` in tests/doubles/train_network.py). A routed
-    step calls the host with the same arguments but the latents: ``call._replace(latents=small)``."""
+    step calls the host with the same arguments but the latents and the batch's size conditioning (:meth:`DownscaleHook.run_host`)."""
 
     args: Any
     accelerator: Any
@@ -213,10 +234,12 @@ class DownscaleHook:
         positions: torch.Tensor,
         scope: AbstractContextManager,
     ) -> Any:
-        """Run the host's own train step on ``small`` latents with σ replayed from the sampler pool's
-        ``positions``: the one way a routed train step and a map arm (map.py) run the host at a grid and σ."""
+        """Run the host's own train step on ``small`` latents, with the batch's size conditioning at their grid
+        (:func:`at_grid_batch`), and σ replayed from the sampler pool's ``positions``: the one way a routed
+        train step and a map arm (map.py) run the host at a grid and σ."""
+        batch = at_grid_batch(call.batch, tuple(call.latents.shape[-2:]), tuple(small.shape[-2:]))
         with sampler.replay(positions), scope:
-            return original(*call._replace(latents=small), is_train=True)
+            return original(*call._replace(latents=small, batch=batch), is_train=True)
 
     def _observe(self, decision: RouteDecision, native_hw: tuple[int, int], run_hw: tuple[int, int], sigmas: torch.Tensor) -> None:
         if self.on_step is not None:

@@ -10,7 +10,9 @@ functions on a tiny fixed input (``hosts/kohya/selfcheck.py``; the inventory is 
   draw to the σ the host returns; the ``sigma`` grid's and SD3's atoms are the host's (t, σ) at the
   index its density draw picks; ``get_timesteps`` draws the DDPM law's uniform atoms;
 - SD1/SDXL's replay (``families.DDPMFamily``) reaches the host's noise path through
-  ``train_util.get_timesteps``.
+  ``train_util.get_timesteps``;
+- the dry run's RNG use before the σ draw (``BoundSampler.first``) is the trainer's own
+  ``get_noise_pred_and_target``'s (``prepare_network`` only: it needs the trainer).
 
 Everything else a step needs the host builds itself (noise, ids, masks, target, the DDPM noisy input,
 the size embeddings). The checks run in ``start`` (``prepare_network``, after the models load), in
@@ -29,6 +31,7 @@ from typing import Any
 import torch
 
 from ...rng import seed_forked
+from ...scope import swap_attr
 from ...sigma import ddpm_alphas_cumprod, ddpm_law
 from ..kohya.selfcheck import SEED, Piece, refuse_drift, same
 from .facts import SUPPORTED_REVISION, HostError, TrainerArch
@@ -182,6 +185,44 @@ def _ddpm_replay(family: DDPMFamily, scheduler: Any) -> Callable[[], str | None]
     return compare
 
 
+class _Reached(Exception):
+    """The call reached the host's σ draw (a preamble check stops it there)."""
+
+
+def _preamble(trainer: Any, family: SamplerFamily, args: Any, scheduler: Any) -> Callable[[], str | None]:
+    """The dry run's RNG use up to the σ draw (``BoundSampler.first``: Flux family, Lumina, SD3 one ``randn_like``
+    of the latents; SD1/SDXL the host's noise path) against the trainer's own ``get_noise_pred_and_target``,
+    both stopped where the σ draw starts: the CPU generator must be in the same state there."""
+    slot = "get_timesteps" if isinstance(family, DDPMFamily) else family.fn_name
+    latents, cpu = _fixed(2, 4, 8, 8), SimpleNamespace(device=torch.device("cpu"))
+
+    def state_at_draw(call: Callable[[], Any]) -> torch.Tensor | None:
+        seen = []
+
+        def stop(*_: Any, **__: Any) -> None:
+            seen.append(torch.get_rng_state())
+            raise _Reached
+
+        _seeded()
+        with swap_attr(family.module, slot, stop):
+            try:
+                call()
+            except _Reached:
+                pass
+        return seen[0] if seen else None
+
+    def compare() -> str | None:
+        host = state_at_draw(
+            lambda: trainer.get_noise_pred_and_target(args, cpu, scheduler, latents, {}, [], None, None, torch.float32, True, is_train=True)
+        )
+        if host is None:
+            return f"{type(trainer).__name__}.get_noise_pred_and_target returned without calling {family.module.__name__}.{slot}"
+        ours = state_at_draw(lambda: family.bind(args, scheduler, latents, "cpu", torch.float32).first())
+        return same("the CPU generator at the σ draw", ours, host)
+
+    return compare
+
+
 def pieces(family: SamplerFamily, scheduler: Any) -> list[Piece]:
     """The self-check of one σ family (the module the trainer reaches), with ``scheduler`` as the fixed
     input of its flow modes (the trainer's own at ``prepare_network``; the host's class before)."""
@@ -211,9 +252,16 @@ def pieces(family: SamplerFamily, scheduler: Any) -> list[Piece]:
     ]
 
 
-def refuse_host_drift(family: SamplerFamily, scheduler: Any) -> None:
-    """``start``: stop the run (HostError) when the host's functions differ from what the plugin re-implements."""
-    refuse_drift(pieces(family, scheduler), CHECKED_AGAINST, HostError)
+def refuse_host_drift(trainer: Any, family: SamplerFamily, args: Any) -> None:
+    """``start``: stop the run (HostError) when the host's functions differ from what the plugin re-implements:
+    :func:`pieces` on the trainer's own scheduler, and its step's RNG use before the σ draw (the run's args)."""
+    scheduler = trainer.get_noise_scheduler(args, torch.device("cpu"))
+    preamble = Piece(
+        "the dry run's RNG use before the σ draw (families' BoundSampler.first)",
+        f"{type(trainer).__name__}.get_noise_pred_and_target",
+        _preamble(trainer, family, copy.copy(args), scheduler),
+    )
+    refuse_drift([*pieces(family, scheduler), preamble], CHECKED_AGAINST, HostError)
 
 
 def standalone(record: TrainerArch, module: ModuleType) -> list[Piece]:

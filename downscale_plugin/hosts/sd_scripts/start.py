@@ -26,8 +26,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import torch
-
 from ...arch import get_arch
 from ...config import DownscaleConfig, foreign_windows
 from ...plan import Plan, format_plan, plan_table
@@ -169,7 +167,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         )
     family = make_family(record)
     # The host's functions against what the plugin re-implements (selfcheck.py); the startup check ran it before the models loaded.
-    refuse_host_drift(family, ctx.trainer.get_noise_scheduler(args, torch.device("cpu")))
+    refuse_host_drift(ctx.trainer, family, args)
     options = step_options(cfg, record)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)

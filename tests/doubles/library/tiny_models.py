@@ -101,7 +101,7 @@ class SdxlUNet2DConditionModel(_Tiny):
         self.gradient_checkpointing = True
 
     def forward(self, x, timesteps, context, y):
-        self._record(x, timesteps)
+        self._record(x, timesteps, y=y.detach().clone())
         if self.training and self.gradient_checkpointing:
             return torch.utils.checkpoint.checkpoint(self._map, x, timesteps / 1000, context + y.mean(), use_reentrant=USE_REENTRANT)
         return self._map(x, timesteps / 1000, context + y.mean())

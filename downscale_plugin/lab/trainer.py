@@ -17,7 +17,7 @@ import contextlib
 import copy
 import math
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
@@ -260,6 +260,7 @@ class LoraResult:
 
 
 HookInstaller = Callable[[LabTrainer, argparse.Namespace], AbstractContextManager]
+StepScope = Callable[[int, dict], AbstractContextManager]  # (micro-step, its batch) → entered around its loss
 Validator = Callable[[dict[str, torch.Tensor]], float]  # the adapter's ΔW → a validation loss
 
 
@@ -278,6 +279,9 @@ def train_lora(
     alpha: float | None = None,
     validate: Validator | None = None,
     validate_every: int = 0,
+    validate_at: Collection[int] = (),
+    step_scope: StepScope | None = None,
+    clock: Callable[[], float] = time.perf_counter,
 ) -> LoraResult:
     """Train a LoRA on a copy of ``model`` (the caller's model is untouched).
 
@@ -286,10 +290,15 @@ def train_lora(
     around the whole loop; without it the run is native. Step time counts the forward, backward and
     optimizer step (not the lab's batch synthesis, which a real host caches).
 
-    ``validate(deltas)`` runs before the first step, every ``validate_every`` steps and after the
-    last, outside the step timer and between steps, so a routed and a native run compare on the
-    same native-grid loss against the same clock; it must draw from private generators only
-    (:func:`native_validation_loss` does), so the run's own figures do not depend on it.
+    ``validate(deltas)`` runs before the first step, every ``validate_every`` steps, after each step
+    count in ``validate_at`` and after the last, outside the step timer and between steps, so a
+    routed and a native run compare on the same native-grid loss against the same clock; it must
+    draw from private generators only (:func:`native_validation_loss` does), so the run's own
+    figures do not depend on it.
+
+    ``step_scope(micro_step, batch)`` is entered around each micro-step's ``process_batch`` (a twin
+    A/B, ``hosts/lab/twin.py``, reseeds and pairs the step's noise there). ``clock`` times the steps
+    (``time.process_time`` at one thread: CPU seconds, which other jobs on the machine do not inflate).
     """
     alpha = float(rank if alpha is None else alpha)
     args = lab_args(
@@ -321,19 +330,21 @@ def train_lora(
             step_loss, elapsed = 0.0, 0.0
             for k in range(accum):
                 batch = data.batch(step * accum + k, batch_size, seed)
-                t0 = time.perf_counter()
-                loss = trainer.process_batch(
-                    batch, text_encoder, lora_model, lora_model, noise_scheduler,
-                    torch.float32, accelerator, args,
-                )  # fmt: skip
+                scope = step_scope(step * accum + k, batch) if step_scope is not None else contextlib.nullcontext()
+                t0 = clock()
+                with scope:
+                    loss = trainer.process_batch(
+                        batch, text_encoder, lora_model, lora_model, noise_scheduler,
+                        torch.float32, accelerator, args,
+                    )  # fmt: skip
                 (loss / accum).backward()
-                elapsed += time.perf_counter() - t0
+                elapsed += clock() - t0
                 step_loss += loss.item() / accum
-            t0 = time.perf_counter()
+            t0 = clock()
             optimizer.step()
             lr_scheduler.step()
             optimizer.zero_grad(set_to_none=True)
-            elapsed += time.perf_counter() - t0
+            elapsed += clock() - t0
             if not math.isfinite(step_loss):
                 raise FloatingPointError(f"non-finite loss at step {step}")
             result.losses.append(step_loss)
@@ -343,7 +354,7 @@ def train_lora(
             result.logs.append(logs)
             if on_step is not None:
                 on_step(step, logs)
-            if (validate_every and (step + 1) % validate_every == 0) or step + 1 == steps:
+            if (validate_every and (step + 1) % validate_every == 0) or step + 1 == steps or step + 1 in validate_at:
                 _validate(result, lora_model, validate, step + 1)
     result.deltas = lora_deltas(lora_model)
     return result

@@ -102,3 +102,18 @@ def test_a_drifted_expert_choice_stops_a_wan22_run(tmp_path, monkeypatch):
     argv = ("--buckets", "64x64x5", "--dit_high_noise", "high.safetensors", "--timestep_sampling", "sigmoid")
     with pytest.raises(HostError, match="WanNetworkTrainer.get_noisy_model_input_and_timesteps no longer matches Wan 2.2's expert"):
         run("WanNetworkTrainer", *argv, tmp_path=tmp_path, downscale=ALL_ROUTED)
+
+
+def test_the_startup_check_finds_the_scripts_musubi_tuner(tmp_path):
+    """The wrapper scripts at a checkout's root and the package's own scripts both import ``musubi_tuner`` from the
+    checkout's ``src``; ``-m`` runs it as installed; another script, or a launcher's own, is not musubi-tuner's."""
+    from downscale_plugin.hosts.musubi.startup import command_line_drift, script_checkout
+
+    (tmp_path / "src" / "musubi_tuner").mkdir(parents=True)
+    src = str(tmp_path / "src")
+    wan, qwen = BY_ARCH["wan"], BY_ARCH["qwen_image"]
+    assert script_checkout(["accelerate", "launch", str(tmp_path / "wan_train_network.py"), "--dit", "x"]) == (wan, src)
+    assert script_checkout([str(tmp_path / "src" / "musubi_tuner" / "qwen_image_train_network.py")]) == (qwen, src)
+    assert script_checkout(["python", "-m", "musubi_tuner.wan_train_network"]) == (wan, None)
+    assert script_checkout(["launch.py", "flux_train_network.py"]) is None
+    assert command_line_drift([str(tmp_path / "wan_train_network.py")]) == []  # its musubi_tuner holds no trainer_base

@@ -59,7 +59,7 @@ class SamplerFamily(Protocol):
         ...
 
 
-def _flow_law(args: Any, contract: str, noise_scheduler: Any, latent_hw: tuple[int, int], dtype: Any) -> SigmaLaw | None:
+def flow_law(args: Any, contract: str, noise_scheduler: Any, latent_hw: tuple[int, int], dtype: Any) -> SigmaLaw | None:
     """The exact law of the host's flow σ draw for these args (None: a mode or density without one).
 
     flux_train_utils / lumina_train_util: ``uniform``, ``sigmoid``, ``shift``, ``flux_shift`` and (Lumina)
@@ -99,7 +99,8 @@ class FlowFamily:
         self.contract = contract
         self.name = contract
 
-    def _call(self, fn: Callable, args: Any, noise_scheduler: Any, latents: torch.Tensor, noise: torch.Tensor, device: Any, dtype: Any):
+    def call_host(self, fn: Callable, args: Any, noise_scheduler: Any, latents: torch.Tensor, noise: torch.Tensor, device: Any, dtype: Any):
+        """Call ``fn``, the slot's function (the host's or a replay), with the contract's arguments."""
         if self.contract == "sd3":
             return fn(args, latents, noise, device, dtype)
         return fn(args, noise_scheduler, latents, noise, device, dtype)
@@ -125,7 +126,7 @@ class FlowFamily:
             # The host's σ draw reads only the batch size, device and (μ-shift modes) the grid, so a
             # one-channel stand-in draws the same σ without building a latent-sized noisy input.
             dummy = latents.new_zeros((n, 1, *grid))
-            _, timesteps, sigmas = self._call(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
+            _, timesteps, sigmas = self.call_host(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
             out_dtypes.setdefault("t", timesteps.dtype)
             out_dtypes.setdefault("s", sigmas.dtype)
             return record_pairs(pool, timesteps, sigmas)
@@ -136,7 +137,7 @@ class FlowFamily:
 
         def consume_draw() -> None:
             dummy = latents.new_zeros((latents.shape[0], 1, *grid))
-            self._call(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
+            self.call_host(fn, quiet_args, noise_scheduler, dummy, dummy, device, dtype)
 
         def replay(positions: torch.Tensor):
             t_values, s_values = pool.pairs(positions)
@@ -148,7 +149,7 @@ class FlowFamily:
             rounded = sigmas.to(out_dtypes.get("s", torch.float32)).double()  # the host's σ dtype (known after first())
             return rounded * steps, rounded
 
-        law = _flow_law(args, self.contract, noise_scheduler, tuple(latents.shape[-2:]), dtype)
+        law = flow_law(args, self.contract, noise_scheduler, tuple(latents.shape[-2:]), dtype)
         return BoundSampler(first, sample, replay, pool, None if law is None else PooledLaw(law, pool, pair))
 
     def _replay_fn(

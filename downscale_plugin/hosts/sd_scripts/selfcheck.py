@@ -5,7 +5,7 @@ functions on a tiny fixed input (``hosts/kohya/selfcheck.py``; the inventory is 
   replayed σ is built into ``(1 − σ)·x + σ·(n + γ·ξ)`` (SD3: ``σ·n + (1 − σ)·x``) by the plugin; it must be
   what the host's ``get_noisy_model_input_and_timesteps`` returns for the σ it drew, with ξ and γ drawn
   the same way (Flux family, Lumina, SD3);
-- the coupled gate's exact fill (``families._flow_law``, ``sigma.py``): each closed-form mode's quantile,
+- the coupled gate's exact fill (``families.flow_law``, ``sigma.py``): each closed-form mode's quantile,
   with ``flux_shift``'s and ``nextdit_shift``'s μ at two grids, maps the host's own normal or uniform
   draw to the σ the host returns; the ``sigma`` grid's and SD3's atoms are the host's (t, σ) at the
   index its density draw picks; ``get_timesteps`` draws the DDPM law's uniform atoms;
@@ -35,7 +35,7 @@ from ...scope import swap_attr
 from ...sigma import ddpm_alphas_cumprod, ddpm_law
 from ..kohya.selfcheck import SEED, Piece, refuse_drift, same
 from .facts import SUPPORTED_REVISION, HostError, TrainerArch
-from .families import DDPMFamily, FlowFamily, SamplerFamily, _flow_law
+from .families import DDPMFamily, FlowFamily, SamplerFamily, flow_law
 
 CHECKED_AGAINST = f"sd-scripts {SUPPORTED_REVISION}"
 SCHEDULER_HANDLE = ("library.sd3_train_utils", "FlowMatchEulerDiscreteScheduler")  # what every flow trainer's get_noise_scheduler builds
@@ -67,9 +67,13 @@ def _seeded() -> None:
     seed_forked(SEED)  # inside drift_problems' fork: both sides start from the same draws
 
 
+def _slot(family: FlowFamily, args: Any, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """What the module's σ slot returns now (the host's function, or a replay around it), on the CPU in float32."""
+    return family.call_host(getattr(family.module, family.fn_name), args, scheduler, latents, noise, "cpu", torch.float32)
+
+
 def _rebuild(family: FlowFamily, scheduler: Any) -> Callable[[], str | None]:
     """The replayed σ's noisy input against the host's own for the σ it drew (ξ and γ drawn alike)."""
-    fn_name = family.fn_name
     variants = [host_args()]
     if family.contract != "sd3":
         variants += [host_args(ip_noise_gamma=0.1), host_args(ip_noise_gamma=0.1, ip_noise_gamma_random_strength=True)]
@@ -78,13 +82,13 @@ def _rebuild(family: FlowFamily, scheduler: Any) -> Callable[[], str | None]:
     def compare() -> str | None:
         for args in variants:
             _seeded()
-            host = family._call(getattr(family.module, fn_name), args, scheduler, latents, noise, "cpu", torch.float32)
+            host = _slot(family, args, scheduler, latents, noise)
             bound = family.bind(args, scheduler, latents, "cpu", torch.float32)
             bound.draw(1)  # the host's output dtypes
             positions = bound.pool.add(host[1], host[2])
             _seeded()
             with bound.replay(positions):
-                ours = family._call(getattr(family.module, fn_name), args, scheduler, latents, noise, "cpu", torch.float32)
+                ours = _slot(family, args, scheduler, latents, noise)
             for name, a, b in zip(("noisy input", "timesteps", "σ"), ours, host, strict=True):
                 gap = same(f"{name} (ip_noise_gamma {args.ip_noise_gamma})", a, b)
                 if gap:
@@ -103,10 +107,10 @@ def _continuous_law(family: FlowFamily, scheduler: Any, mode: str) -> Callable[[
         for grid in GRIDS if mode in ("flux_shift", "nextdit_shift") else GRIDS[:1]:
             dummy = torch.zeros(DRAWS, 1, *grid)
             _seeded()
-            host = family._call(getattr(family.module, family.fn_name), args, scheduler, dummy, dummy, "cpu", torch.float32)[2]
+            host = _slot(family, args, scheduler, dummy, dummy)[2]
             _seeded()
             u = torch.rand(DRAWS) if uniform else torch.special.ndtr(torch.randn(DRAWS).double())
-            law = _flow_law(args, family.contract, scheduler, grid, torch.float32)
+            law = flow_law(args, family.contract, scheduler, grid, torch.float32)
             gap = same(f"σ at latent {grid[0]}x{grid[1]}", law.quantile(u.double()), host.reshape(-1), atol=LAW_ATOL)
             if gap:
                 return gap
@@ -122,7 +126,7 @@ def _atom_law(family: FlowFamily, scheduler: Any, scheme: str) -> Callable[[], s
     def compare() -> str | None:
         dummy = torch.zeros(DRAWS, 1, 2, 2)
         _seeded()
-        _, t, sigmas = family._call(getattr(family.module, family.fn_name), args, scheduler, dummy, dummy, "cpu", torch.float32)
+        _, t, sigmas = _slot(family, args, scheduler, dummy, dummy)
         _seeded()
         if scheme == "logit_normal":
             v = torch.special.ndtr(
@@ -130,7 +134,7 @@ def _atom_law(family: FlowFamily, scheduler: Any, scheme: str) -> Callable[[], s
             )
         else:
             v = torch.rand(DRAWS).double()
-        law = _flow_law(args, family.contract, scheduler, (2, 2), torch.float32)
+        law = flow_law(args, family.contract, scheduler, (2, 2), torch.float32)
         index = torch.searchsorted(law.probs.cumsum(0), v, right=True).clamp(max=law.values.numel() - 1)
         return same("timesteps", law.labels[index].double(), t.reshape(-1).double()) or same(
             "σ", law.values[index].double(), sigmas.reshape(-1).double()

@@ -397,6 +397,19 @@ def test_a_resumed_run_routes_on_where_the_saved_run_stopped(tmp_path):
     assert routes == whole and len(set(whole)) == 2
 
 
+def test_a_resumed_run_over_another_total_warns_that_its_spans_move(tmp_path, caplog):
+    """The counts file records the saving run's T: a resumed run whose T differs (--max_train_epochs on another number
+    of processes gives another max_train_steps; here given) warns that its early/late spans end elsewhere."""
+    early = {"routes": [{"scale": 0.5, "sigma_min": 0.0, "span": "early:0.5"}]}
+    run("QwenImageNetworkTrainer", "--seed", "2", "--save_state", tmp_path=tmp_path / "a", downscale=early)
+    state = str(tmp_path / "a" / "last-state")
+    with caplog.at_level("WARNING", logger="downscale_plugin"):
+        run("QwenImageNetworkTrainer", "--seed", "2", "--resume", state, tmp_path=tmp_path / "b", downscale=early)
+        assert "spans" not in caplog.text  # the same T
+        run("QwenImageNetworkTrainer", "--seed", "2", "--resume", state, "--max_train_steps", "8", tmp_path=tmp_path / "c", downscale=early)
+    assert "counted its early/late spans (x0.5) over T = 4 train forwards per process, this run over T = 8" in caplog.text
+
+
 @pytest.mark.parametrize(
     ("argv", "expected"),
     [

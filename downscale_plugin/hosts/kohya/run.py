@@ -223,8 +223,12 @@ class DownscaleRun:
         """The cross-rank totals so far, into ``output_dir`` (main process; the host saves state there only)."""
         if self.rank != 0:
             return
-        # the counts are sums over the saving run's processes: a resume on another number divides by this one
-        payload = {"version": version(), "processes": self.world_size, "routes": self._counts_layout(), "counts": self.totals.state()}
+        # the counts are sums over the saving run's processes (a resume on another number divides by this one), and its
+        # spans ran over its total_forwards (musubi-tuner's resume compares: start.MusubiRouter)
+        payload = {
+            "version": version(), "processes": self.world_size, "total_forwards": int(self.router.total_forwards),
+            "routes": self._counts_layout(), "counts": self.totals.state(),
+        }  # fmt: skip
         if "ss_downscale_map" in self.extra_metadata:  # what measured those routes, for a resumed run's metadata
             payload["measurement"] = self.extra_metadata["ss_downscale_map"]
         path = os.path.join(output_dir, COUNTS_FILE)

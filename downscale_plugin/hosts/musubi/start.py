@@ -64,6 +64,7 @@ class ResumedForwards:
     def __init__(self, world_size: int):
         self.world_size = world_size
         self.forwards = 0
+        self.total_forwards: int | None = None  # the saving run's T, where the file says it
 
     def load(self, models: Any, input_dir: str) -> None:
         path = os.path.join(input_dir, COUNTS_FILE)
@@ -82,6 +83,7 @@ class ResumedForwards:
                     processes,
                 )
         self.forwards = round(sum(saved["counts"]["steps"]) / int(processes))
+        self.total_forwards = saved.get("total_forwards")
 
 
 class MusubiRouter(Router):
@@ -97,6 +99,14 @@ class MusubiRouter(Router):
             self.total_forwards = _forwards(host_args)
             self.resume_offset = resumed.forwards
             self.host = None
+            spans = [r.label for r in self.rules if r.span is not None and r.span.mode != "spread"]
+            if spans and resumed.total_forwards not in (None, self.total_forwards):
+                logger.warning(
+                    "downscale_plugin: the resumed state's run counted its early/late spans (%s) over T = %d train forwards per "
+                    "process, this run over T = %d (max_train_steps × accumulation; --max_train_epochs gives another "
+                    "max_train_steps on another number of processes): its spans end at other forwards than the saved run's",
+                    ", ".join(spans), resumed.total_forwards, self.total_forwards,
+                )  # fmt: skip
         return super().route(*args, **kwargs)
 
 

@@ -361,6 +361,22 @@ def test_real_flux_noise_scaled_by_1_01_is_refused_at_start_by_check_and_by_the_
     assert cli_main(["check", "--", *command]) == 2 and named in capsys.readouterr().err
 
 
+def test_a_real_trainer_drawing_before_its_sigma_draw_is_refused_at_start(monkeypatch):
+    """The real FluxNetworkTrainer's step drawing once more before its σ draw: the dry run would predict another σ."""
+    trainer_class = importlib.import_module("flux_train_network").FluxNetworkTrainer
+    own = trainer_class.get_noise_pred_and_target
+
+    def drifted(self, *args, **kwargs):
+        torch.rand(1)
+        return own(self, *args, **kwargs)
+
+    monkeypatch.setattr(trainer_class, "get_noise_pred_and_target", drifted)
+    with pytest.raises(
+        sd_scripts_start.HostError, match="FluxNetworkTrainer.get_noise_pred_and_target no longer matches the dry run's RNG use"
+    ):
+        Setup("flux", ALL_ROUTED)
+
+
 def test_fasterdit_options_on_the_real_flux_trainer(monkeypatch):
     """λ > 0, ``res_shift`` and ``interpolate`` together on a routed step of the real Flux trainer."""
     from library import flux_utils, train_util

@@ -69,7 +69,7 @@ def test_a_drifted_noisy_input_stops_the_run_before_its_first_step(arch, module,
         run_double(arch, "--resolution", RES, "--max_train_steps", "2", downscale=ROUTED)
     text = str(raised.value)
     assert f"{module}.get_noisy_model_input_and_timesteps no longer matches the routed step's noisy input" in text
-    assert CHECKED in text and "noisy input (ip_noise_gamma None): max |host − plugin| = " in text
+    assert CHECKED in text and "noisy input (ip_noise_gamma None, torch.float32): max |host − plugin| = " in text
 
 
 def test_a_drifted_mu_table_names_the_law_and_the_grid(monkeypatch):

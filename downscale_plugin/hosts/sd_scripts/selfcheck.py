@@ -67,13 +67,16 @@ def _seeded() -> None:
     seed_forked(SEED)  # inside drift_problems' fork: both sides start from the same draws
 
 
-def _slot(family: FlowFamily, args: Any, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """What the module's σ slot returns now (the host's function, or a replay around it), on the CPU in float32."""
-    return family.call_host(getattr(family.module, family.fn_name), args, scheduler, latents, noise, "cpu", torch.float32)
+def _slot(
+    family: FlowFamily, args: Any, scheduler: Any, latents: torch.Tensor, noise: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> tuple[torch.Tensor, ...]:
+    """What the module's σ slot returns now (the host's function, or a replay around it), on the CPU."""
+    return family.call_host(getattr(family.module, family.fn_name), args, scheduler, latents, noise, "cpu", dtype)
 
 
 def _rebuild(family: FlowFamily, scheduler: Any) -> Callable[[], str | None]:
-    """The replayed σ's noisy input against the host's own for the σ it drew (ξ and γ drawn alike)."""
+    """The replayed σ's noisy input against the host's own for the σ it drew (ξ and γ drawn alike), in float32
+    and in bf16 (the weight dtype the host casts the noisy input and draws ξ in)."""
     variants = [host_args()]
     if family.contract != "sd3":
         variants += [host_args(ip_noise_gamma=0.1), host_args(ip_noise_gamma=0.1, ip_noise_gamma_random_strength=True)]
@@ -81,18 +84,19 @@ def _rebuild(family: FlowFamily, scheduler: Any) -> Callable[[], str | None]:
 
     def compare() -> str | None:
         for args in variants:
-            _seeded()
-            host = _slot(family, args, scheduler, latents, noise)
-            bound = family.bind(args, scheduler, latents, "cpu", torch.float32)
-            bound.draw(1)  # the host's output dtypes
-            positions = bound.pool.add(host[1], host[2])
-            _seeded()
-            with bound.replay(positions):
-                ours = _slot(family, args, scheduler, latents, noise)
-            for name, a, b in zip(("noisy input", "timesteps", "σ"), ours, host, strict=True):
-                gap = same(f"{name} (ip_noise_gamma {args.ip_noise_gamma})", a, b)
-                if gap:
-                    return gap
+            for dtype in (torch.float32, torch.bfloat16):
+                _seeded()
+                host = _slot(family, args, scheduler, latents, noise, dtype)
+                bound = family.bind(args, scheduler, latents, "cpu", dtype)
+                bound.draw(1)  # the host's output dtypes
+                positions = bound.pool.add(host[1], host[2])
+                _seeded()
+                with bound.replay(positions):
+                    ours = _slot(family, args, scheduler, latents, noise, dtype)
+                for name, a, b in zip(("noisy input", "timesteps", "σ"), ours, host, strict=True):
+                    gap = same(f"{name} (ip_noise_gamma {args.ip_noise_gamma}, {dtype})", a, b)
+                    if gap:
+                        return gap
         return None
 
     return compare

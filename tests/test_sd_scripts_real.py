@@ -377,6 +377,18 @@ def test_a_real_trainer_drawing_before_its_sigma_draw_is_refused_at_start(monkey
         Setup("flux", ALL_ROUTED)
 
 
+def test_lumina_rope_drift_is_refused_only_where_the_run_interpolates_positions(monkeypatch):
+    """``positions = "interpolate"`` re-evaluates Lumina's RoPE; the host embedder's table drifting stops that run only."""
+    interpolate = {**ALL_ROUTED, "positions": "interpolate"}
+    Setup("lumina", interpolate)  # the plugin's RoPE is the host's at integer positions
+    embedder = importlib.import_module("library.lumina_models").RopeEmbedder
+    table = embedder.__call__
+    monkeypatch.setattr(embedder, "__call__", lambda self, ids: table(self, ids) * 1.001)
+    with pytest.raises(sd_scripts_start.HostError, match="library.lumina_models.RopeEmbedder no longer matches RoPE at real positions"):
+        Setup("lumina", interpolate)
+    Setup("lumina", ALL_ROUTED)
+
+
 def test_fasterdit_options_on_the_real_flux_trainer(monkeypatch):
     """λ > 0, ``res_shift`` and ``interpolate`` together on a routed step of the real Flux trainer."""
     from library import flux_utils, train_util

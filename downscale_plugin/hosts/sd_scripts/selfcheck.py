@@ -12,7 +12,9 @@ functions on a tiny fixed input (``hosts/kohya/selfcheck.py``; the inventory is 
 - SD1/SDXL's replay (``families.DDPMFamily``) reaches the host's noise path through
   ``train_util.get_timesteps``;
 - the dry run's RNG use before the σ draw (``BoundSampler.first``) is the trainer's own
-  ``get_noise_pred_and_target``'s (``prepare_network`` only: it needs the trainer).
+  ``get_noise_pred_and_target``'s (``prepare_network`` only: it needs the trainer);
+- with ``positions = "interpolate"`` on Lumina, RoPE at real positions equals the host's ``RopeEmbedder``
+  at integer ones (``prepare_network`` only: the option is the run's).
 
 Everything else a step needs the host builds itself (noise, ids, masks, target, the DDPM noisy input,
 the size embeddings). The checks run in ``start`` (``prepare_network``, after the models load), in
@@ -30,6 +32,7 @@ from typing import Any
 
 import torch
 
+from ...fasterdit.positions import continuous_rope
 from ...rng import seed_forked
 from ...scope import swap_attr
 from ...sigma import ddpm_alphas_cumprod, ddpm_law
@@ -39,6 +42,7 @@ from .families import DDPMFamily, FlowFamily, SamplerFamily, flow_law
 
 CHECKED_AGAINST = f"sd-scripts {SUPPORTED_REVISION}"
 SCHEDULER_HANDLE = ("library.sd3_train_utils", "FlowMatchEulerDiscreteScheduler")  # what every flow trainer's get_noise_scheduler builds
+LUMINA_ROPE = ("library.lumina_models", "RopeEmbedder")  # NextDiT.rope_embedder's class
 DRAWS = 8
 GRIDS = ((32, 32), (128, 96))  # two μ for the grid-dependent modes
 LAW_ATOL = 1e-5  # the host draws σ in float32, the law's quantile is float64
@@ -260,16 +264,28 @@ def pieces(family: SamplerFamily, scheduler: Any) -> list[Piece]:
     ]
 
 
-def refuse_host_drift(trainer: Any, family: SamplerFamily, args: Any) -> None:
+def _lumina_rope() -> str | None:
+    """``positions = "interpolate"`` on Lumina evaluates RoPE at real positions (``fasterdit.positions.continuous_rope``,
+    from the embedder's ``theta`` and ``axes_dims``); at integer positions it must be the host embedder's table."""
+    embedder = importlib.import_module(LUMINA_ROPE[0]).RopeEmbedder(theta=10000.0, axes_dims=[4, 8, 8], axes_lens=[3, 6, 7])
+    ids = torch.stack(torch.meshgrid(torch.arange(3), torch.arange(6), torch.arange(7), indexing="ij"), dim=-1).reshape(1, -1, 3)
+    host = embedder(ids)
+    ours = continuous_rope(embedder.axes_dims, embedder.theta, embedder.freqs_cis[0].dtype)(ids.double())
+    return same("RoPE factors at integer positions", torch.view_as_real(ours), torch.view_as_real(host), atol=1e-6)
+
+
+def refuse_host_drift(trainer: Any, family: SamplerFamily, args: Any, interpolate: str | None = None) -> None:
     """``start``: stop the run (HostError) when the host's functions differ from what the plugin re-implements:
-    :func:`pieces` on the trainer's own scheduler, and its step's RNG use before the σ draw (the run's args)."""
+    :func:`pieces` on the trainer's own scheduler, its step's RNG use before the σ draw (the run's args), and
+    with ``positions = "interpolate"`` (``interpolate``: the arch) Lumina's RoPE."""
     scheduler = trainer.get_noise_scheduler(args, torch.device("cpu"))
     preamble = Piece(
         "the dry run's RNG use before the σ draw (families' BoundSampler.first)",
         f"{type(trainer).__name__}.get_noise_pred_and_target",
         _preamble(trainer, family, copy.copy(args), scheduler),
     )
-    refuse_drift([*pieces(family, scheduler), preamble], CHECKED_AGAINST, HostError)
+    rope = [Piece("RoPE at real positions (fasterdit.positions.continuous_rope)", ".".join(LUMINA_ROPE), _lumina_rope)]
+    refuse_drift([*pieces(family, scheduler), preamble, *(rope if interpolate == "lumina" else [])], CHECKED_AGAINST, HostError)
 
 
 def standalone(record: TrainerArch, module: ModuleType) -> list[Piece]:

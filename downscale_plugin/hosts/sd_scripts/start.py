@@ -167,7 +167,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         )
     family = make_family(record)
     # The host's functions against what the plugin re-implements (selfcheck.py); the startup check ran it before the models loaded.
-    refuse_host_drift(ctx.trainer, family, args)
+    refuse_host_drift(ctx.trainer, family, args, arch if cfg.fasterdit.positions == "interpolate" else None)
     options = step_options(cfg, record)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)

@@ -130,3 +130,15 @@ def test_what_autograd_grad_measured_through_the_hosts_checkpointers():
     inside = [p for name, p in model.named_parameters() if p.requires_grad and name.startswith("block")]
     assert all(g is None for g, p in zip(grads, params, strict=True) if any(p is q for q in inside))
     assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in inside)
+
+
+def test_a_backward_that_would_step_the_optimizer_is_refused():
+    """A fused backward pass (an optimizer step in each parameter's post-accumulate-grad hook) would run on the
+    measurement's backward; none of the hosts' LoRA trainers has one, and the measurement refuses it."""
+    model = _model("none")
+    params = [p for p in model.parameters() if p.requires_grad]
+    stepped = []
+    params[0].register_post_accumulate_grad_hook(stepped.append)
+    with pytest.raises(RuntimeError, match="post-accumulate-grad hook"):
+        flat_grad(model(*_inputs()), params)
+    assert not stepped and all(p.grad is None for p in params)

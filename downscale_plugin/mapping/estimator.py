@@ -212,6 +212,11 @@ def param_grads(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> lis
     measurements run on one process only (``hosts/kohya/probes.py`` refuses more).
     """
     params = list(params)
+    if any(getattr(p, "_post_accumulate_grad_hooks", None) for p in params):
+        raise RuntimeError(
+            "measurement: an adapter parameter has a post-accumulate-grad hook (a fused backward pass steps the optimizer "
+            "there): the measurement's backward would run it"
+        )
     leaves = params + _other_leaves(loss, params)
     saved = [leaf.grad for leaf in leaves]
     try:

@@ -1,0 +1,131 @@
+"""On one device: the plugin never reseeds or rewinds a global generator, and a run it routes nothing
+in is bitwise the host's own (a check, not a timing; ``benchmarks/gpu_check.sh`` runs it on CUDA).
+
+The model, LoRA and trainer class are ``bench_production.py``'s (sd-scripts' own denoiser at
+production width, two blocks of each kind, the trainer's ``process_batch``, AdamW). From the same
+LoRA init and the same per-step seeds, ``--steps`` train steps are run:
+
+- ``native`` twice: the trainer's own step, no plugin. Their equality says whether this device
+  is bitwise repeatable at all (deterministic algorithms requested; a kernel without one would make
+  every bitwise comparison below meaningless, and the JSON says so);
+- ``never`` under ``tests/rng_trap.py``'s ``RngTrap``: the plugin installed by its own ``start`` with
+  a route whose window has zero mass, so the hook binds the sampler, dry-runs its draw in a fork and
+  routes nothing. Its final LoRA and the generators' states after the last step must equal native's;
+- ``r0.75`` under the trap: every step routed (the trap only: a routed run is not native).
+
+    SD_SCRIPTS_DIR=... python benchmarks/gpu_rng_check.py --device cuda --dtype bf16 --json rng.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import sys
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+REPO = os.path.dirname(HERE)
+os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # cuBLAS' deterministic mode (read at its first use)
+
+import torch  # noqa: E402
+
+sys.path[:0] = [HERE, os.path.join(REPO, "tests")]  # bench_production's Bench; the trap (importable without pytest)
+
+
+def lora_state(bench) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in bench.network.state_dict().items()}
+
+
+def generator_states(device: torch.device) -> list[torch.Tensor]:
+    states = [torch.get_rng_state()]
+    if device.type == "cuda":
+        states.append(torch.cuda.get_rng_state(device))
+    return states
+
+
+def run_arm(bench, name: str, init: dict[str, torch.Tensor], steps: int, trap=None) -> tuple[dict, list[torch.Tensor]]:
+    """``steps`` steps of one arm from ``init`` with a fresh AdamW; (final LoRA, generator states after)."""
+    arm = next(a for a in bench.arms if a.name == name)
+    bench.network.load_state_dict(init)
+    bench.optimizer = torch.optim.AdamW([p for p in bench.network.parameters() if p.requires_grad], lr=1e-3)
+    with trap if trap is not None else contextlib.nullcontext():
+        for step in range(steps):
+            bench.step(arm, seed=step)
+    return lora_state(bench), generator_states(bench.device)
+
+
+def max_diff(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> float:
+    return max(float((a[k].float() - b[k].float()).abs().max()) for k in a)
+
+
+def bitwise(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--arch", default="flux", help="an sd-scripts architecture of bench_production.py")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"))
+    parser.add_argument("--px", type=int, default=1024)
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--rank", type=int, default=16)
+    parser.add_argument("--threads", type=int)
+    parser.add_argument("--json", help="write the result here")
+    args = parser.parse_args()
+    sd_scripts = os.environ.get("SD_SCRIPTS_DIR")
+    if not sd_scripts:
+        parser.error("set SD_SCRIPTS_DIR to an sd-scripts checkout (main 48d368fa)")
+    sys.path.insert(0, sd_scripts)
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    import bench_production as bp
+    from rng_trap import RngTrap
+
+    device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    text = bp.PRODUCTION_TEXT[args.arch] if device.type == "cuda" else bp.CPU_TEXT[args.arch]
+    bench = bp.Bench(args.arch, bp.Size(args.px, text, False), device, dtype, args.rank)
+    bench.setup()
+    init = lora_state(bench)
+    native, native_states = run_arm(bench, "native", init, args.steps)
+    again, again_states = run_arm(bench, "native", init, args.steps)
+    never_trap, routed_trap = RngTrap(), RngTrap()
+    never, never_states = run_arm(bench, "never", init, args.steps, never_trap)
+    run_arm(bench, "r0.75", init, args.steps, routed_trap)
+    repeatable = bitwise(native, again) and all(torch.equal(x, y) for x, y in zip(native_states, again_states, strict=True))
+    out = {
+        "arch": args.arch,
+        "device": str(device),
+        "device_name": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "dtype": args.dtype,
+        "px": args.px,
+        "steps": args.steps,
+        "torch": torch.__version__,
+        "native_repeatable": repeatable,
+        "unrouted_bitwise": bitwise(native, never),
+        "unrouted_generators_equal": all(torch.equal(x, y) for x, y in zip(native_states, never_states, strict=True)),
+        "unrouted_max_abs_diff": max_diff(native, never),
+        "native_repeat_max_abs_diff": max_diff(native, again),
+        "trap": {
+            name: {"violations": trap.violations, "restores_checked": trap.restores, "seeds_checked": trap.seeded}
+            for name, trap in (("never", never_trap), ("r0.75", routed_trap))
+        },
+    }
+    out["ok"] = bool(
+        out["unrouted_bitwise"]
+        and out["unrouted_generators_equal"]
+        and not any(t["violations"] for t in out["trap"].values())
+        and all(t["restores_checked"] for t in out["trap"].values())  # the trap saw the hook's forks: it was in the step
+    )
+    text_out = json.dumps(out, indent=1)
+    print(text_out)
+    if args.json:
+        with open(args.json, "w") as fh:
+            fh.write(text_out)
+    return 0 if out["ok"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -168,7 +168,12 @@ class CertifyConfig:
         0.1, "float_closed", (0.0, 0.5), "probe passes at most, as a fraction of the run's native compute (0: no probes, a plain run)"
     )
     draws: int = _key(4, "int", (2, 64), "paired noise draws per (probe, σ bin)")
-    spot_checks: int = _key(2, "int", (0, 16), "bins tested below each route's edge, to catch a σ-monotonicity violation")
+    spot_checks: int = _key(
+        0,
+        "int",
+        (0, 16),
+        "bins tested below each route's edge after the search: a σ-monotonicity check that spends budget and never opens a window",
+    )
     resume: str | None = _key(None, "str", help="a certify.json of an earlier run on the same model: its evidence is continued, not redone")
 
     def __post_init__(self) -> None:

@@ -27,3 +27,14 @@ def host_doubles():
 def cheap_plan(monkeypatch):
     """The start banner's Monte-Carlo plan is not under test here; keep it cheap."""
     monkeypatch.setattr(sd_scripts_start, "PLAN_MC_SAMPLES", 256)
+
+
+@pytest.fixture
+def token_costs(monkeypatch):
+    """An auto run's route passes at their token fraction, not the run's FLOP model's: on the doubles' tiny grids
+    text tokens dominate the FLOP model (Flux at 16x16: a 0.5 route pass costs 0.91 of a native one), a saving
+    no window of a short test run could pay its evidence back with (``test_sd_scripts_auto.py`` tests the FLOP unit)."""
+    from downscale_plugin.hosts.kohya.auto import AutoSession
+    from downscale_plugin.mapping.certify import token_fraction
+
+    monkeypatch.setattr(AutoSession, "pass_fraction", lambda self, small, native: token_fraction(small, native))

@@ -22,13 +22,16 @@ from test_musubi_doubles import ARCHS, doubles, pretend_processes, run, saved, t
 from downscale_plugin.config import load_config
 from downscale_plugin.hosts.musubi.facts import HostError
 
+pytestmark = pytest.mark.usefixtures("token_costs")
+
 # One route (ratio 0.5: latent 8x8 → 4x4) over two σ bins; D = 2 paired draws: a look at one bin is
 # 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents, one on all 16 probes 40.
 QUICK = {"map_ratios": [0.5], "map_bins": "0,0.5,1", "certify_draws": 2}
-# Wan 64x64, 5 frames (latent 2 × 8 × 8); 48 steps of 4 samples: 192 single-sample passes; the probes are in at batch 4.
+# Wan 64x64, 5 frames (latent 2 × 8 × 8); 48 steps of 4 samples: 192 single-sample passes; the probes (16 distinct
+# items) are in at batch 4.
 # The tiny Wan DiT's time input is the 1000-scale timestep: a small learning rate keeps its loss finite.
 WAN = [*ARCHS["wan"][1], "--learning_rate", "1e-7"]
-ARGV = ("--batch_size", "4", "--items_per_bucket", "8", "--max_train_steps", "48", "--seed", "3")
+ARGV = ("--batch_size", "4", "--items_per_bucket", "16", "--max_train_steps", "48", "--seed", "3")
 
 
 def auto_config(tmp_path: Path, **extra) -> dict:
@@ -54,19 +57,20 @@ def test_budget_zero_is_the_plain_run_bitwise(tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("name", "argv"),
+    ("name", "argv", "forwards"),
     [
-        ("WanNetworkTrainer", [*WAN, "--batch_size", "2", "--items_per_bucket", "8", "--gradient_accumulation_steps", "2",
-                               "--max_train_steps", "12"]),
-        ("WanNetworkTrainer", [*WAN, "--batch_size", "2", "--items_per_bucket", "8", "--num_timestep_buckets", "5",
-                               "--preserve_distribution_shape", "--gradient_accumulation_steps", "2", "--max_train_steps", "12"]),
-        ("QwenImageNetworkTrainer", [*ARCHS["qwen_image"][1], "--batch_size", "4", "--items_per_bucket", "8", "--max_train_steps", "24"]),
+        ("WanNetworkTrainer", [*WAN, "--batch_size", "2", "--items_per_bucket", "16", "--gradient_accumulation_steps", "2",
+                               "--max_train_steps", "20"], 40),
+        ("WanNetworkTrainer", [*WAN, "--batch_size", "2", "--items_per_bucket", "16", "--num_timestep_buckets", "5",
+                               "--preserve_distribution_shape", "--gradient_accumulation_steps", "2", "--max_train_steps", "20"], 40),
+        ("QwenImageNetworkTrainer", [*ARCHS["qwen_image"][1], "--batch_size", "4", "--items_per_bucket", "16", "--max_train_steps", "24"],
+         24),
         ("WanNetworkTrainer", [*WAN, "--task", "t2v-A14B", "--dit_high_noise", "high.safetensors", "--timestep_sampling", "uniform",
-                               "--items_per_bucket", "16", "--max_train_steps", "24"]),
+                               "--items_per_bucket", "16", "--max_train_steps", "80"], 80),
     ],
     ids=["wan_accumulation", "wan_buckets_accumulation", "qwen_image", "wan22_two_experts"],
 )  # fmt: skip
-def test_a_certification_that_opens_nothing_leaves_training_bitwise_the_hosts(name, argv, tmp_path):
+def test_a_certification_that_opens_nothing_leaves_training_bitwise_the_hosts(name, argv, forwards, tmp_path):
     """ε ≈ 0: nothing is certified. With accumulation 2 the certifier runs between two micro-batches of an
     update (probe 16 arrives with the 8th batch of 2), so the accumulated .grad, the RNG and the optimizer
     must survive it; the forced steps pop the trainer's bucket pool (--preserve_distribution_shape) and set
@@ -74,10 +78,10 @@ def test_a_certification_that_opens_nothing_leaves_training_bitwise_the_hosts(na
     argv = [*argv, "--seed", "4"]
     plain = plain_run(name, argv, tmp_path / "plain")
     plugin = run(name, *argv, tmp_path=tmp_path / "plugin", downscale=auto_config(tmp_path, map_margin=1e-9))
-    assert plugin.losses == plain.losses and len(plain.losses) == 24
+    assert plugin.losses == plain.losses and len(plain.losses) == forwards
     assert same_weights(tmp_path / "plain", tmp_path / "plugin")
     state = plugin.last_network.downscale_run
-    assert state.cfg.routes == () and state.accounting.total_steps == 24
+    assert state.cfg.routes == () and state.accounting.total_steps == forwards
     blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
     assert blob["cost"]["native_step_equivalents"] > 0 and not any(row["safe"] for row in blob["bins"])
     calls, theirs = plugin.last_transformer.calls, plain.last_transformer.calls
@@ -123,7 +127,7 @@ def test_auto_certifies_then_trains_with_the_windows_and_records_them(arch, tmp_
     assert recorded["method"] == "certify" and recorded["before_train_batch"] == 4 and recorded["probes"] == 16
     assert recorded["native_step_equivalents"] == pytest.approx(spent, abs=1e-3) and recorded["windows"]
     assert json.loads(meta["ss_downscale_routes"]) == windows["routes"]
-    assert "certification: " in caplog.text and "of the run's native compute" in caplog.text and "net saving: FLOP" in caplog.text
+    assert "certification: " in caplog.text and "of the run's native compute" in caplog.text and "net saving (native-step" in caplog.text
     assert 'mode = "auto": the certifier runs when the first 16 training samples are in' in caplog.text  # the start banner
 
 
@@ -159,7 +163,8 @@ def test_a_resumed_auto_run_routes_by_the_certified_windows_without_certifying_a
 @pytest.mark.parametrize(
     ("config", "argv", "message"),
     [
-        ({"certify_budget": 0.04}, (), r"certify_budget: 0.04 of this run's 192 single-sample passes is 7.7 .* first look .* costs 10.0"),
+        ({"certify_budget": 0.04}, (), r"certify_budget: 0.04 of this run's 192 single-sample passes is 7.7 .* verdict costs 40.0"),
+        ({}, ("--items_per_bucket", "12"), "probes: the dataset has 12 distinct images; 16 probes must be 16 distinct images"),
         ({}, ("--max_train_steps", "3"), "probes: 16 probes need 4 train batches of 4, but the run has 3"),
         ({"map_ratios": [0.95]}, (), "map_ratios: 0.95 give no strictly smaller wan grid"),
         ({"certify_resume": "/no/such/certify.json"}, (), "certify_resume: cannot read /no/such/certify.json"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import json
 import os
+from dataclasses import replace
 from pathlib import Path
 
 import pytest
@@ -23,6 +24,7 @@ from test_musubi_doubles import ARCHS, doubles, pretend_processes, run, saved, t
 from downscale_plugin.bins import parse_bins
 from downscale_plugin.config import load_config
 from downscale_plugin.grid import area_downsample
+from downscale_plugin.hosts.musubi import start as musubi_start
 from downscale_plugin.hosts.musubi.facts import HostError
 
 # One route (ratio 0.5: latent 8x8 → 4x4) over two σ bins and the σ = 1 endpoint; D = 2 draws; 4 probes:
@@ -278,9 +280,14 @@ def test_several_processes_are_refused_at_prepare_network(tmp_path, monkeypatch)
     assert not trainer.losses and not trainer.last_transformer.calls
 
 
-def test_a_run_that_ends_before_its_map_says_so(tmp_path, caplog):
-    """--max_train_epochs shortens the run after prepare_network (2 batches of 1 here), below the 4 probes."""
+def test_a_run_that_ends_before_its_map_says_so(tmp_path, caplog, monkeypatch):
+    """--max_train_epochs shortens the run after prepare_network (2 batches of 1 here), below the 4 probes. The
+    dataset's 2 distinct items are refused at start; a dataset whose items name no key runs and says so at its end."""
     argv = (*WAN, "--max_train_steps", "100", "--max_train_epochs", "1", "--seed", "3")
+    with pytest.raises(HostError, match="map_images: the dataset has 2 distinct images; 4 probes must be 4 distinct images"):
+        run("WanNetworkTrainer", *argv, tmp_path=tmp_path / "refused", downscale=map_config(tmp_path))
+    counted = musubi_start.musubi_buckets
+    monkeypatch.setattr(musubi_start, "musubi_buckets", lambda *args: replace(counted(*args), images=None))
     trainer = run("WanNetworkTrainer", *argv, tmp_path=tmp_path / "out", downscale=map_config(tmp_path))
     assert len(trainer.losses) == 2 and not (tmp_path / "map").exists() and (tmp_path / "out" / "last.safetensors").exists()
     assert 'mode = "map": the run ended after 2 of the 4 probe samples it needs; nothing was measured' in caplog.text

@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+from dataclasses import replace
 from types import SimpleNamespace
 
 import pytest
@@ -262,9 +263,14 @@ def test_a_missing_map_package_is_named_at_prepare_network(tmp_path, monkeypatch
         run_double("flux", "--resolution", RES, downscale=map_config(tmp_path))
 
 
-def test_a_run_that_ends_before_its_map_says_so(tmp_path, caplog):
-    """--max_train_epochs shortens the run after prepare_network (4 batches here), below the 8 probes."""
+def test_a_run_that_ends_before_its_map_says_so(tmp_path, caplog, monkeypatch):
+    """--max_train_epochs shortens the run after prepare_network (4 batches here), below the 8 probes. The dataset's
+    4 distinct images are refused at start; a dataset that does not say how many it has runs and says so at its end."""
     argv = ("--resolution", RES, "--max_train_steps", "100", "--max_train_epochs", "1", "--dataset_size", "4")
+    with pytest.raises(HostError, match="map_images: the dataset has 4 distinct images; 8 probes must be 8 distinct images"):
+        run_double("flux", *argv, downscale=map_config(tmp_path, map_images=8))
+    counted = sd_scripts_start.dataset_buckets
+    monkeypatch.setattr(sd_scripts_start, "dataset_buckets", lambda group, factor: replace(counted(group, factor), images=None))
     run = run_double("flux", *argv, downscale=map_config(tmp_path, map_images=8)).last_run
     assert len(run.losses) == 4 and not (tmp_path / "map").exists()
     assert 'mode = "map": the run ended after 4 of the 8 probe samples it needs; nothing was measured' in caplog.text

@@ -21,6 +21,11 @@ the certifier spends evidence only where a verdict is still open and worth havin
   ends at its route's edge, so the assumption costs windows, never soundness.
 - **Safe only on the whole image pool**: a bin ends safe only at ``Looks.safe_from`` images (default
   the last look, the full map's N); earlier looks stop it only toward not-safe (``sequential.py``).
+- **Only evidence that can pay** (in a training run, ``CertifySettings.horizon`` = the passes the
+  windows would serve): before each step of evidence, the most the test's window could still save
+  (horizon × the route's token saving × the sampler mass of its bin and every bin below it) is set
+  against the evidence it still needs for a safe verdict; a test that cannot pay ends ``cost``. A
+  safe spot check is reported as ``spot-safe``, never as a safe bin.
 
 Cost model: a native pass (one forward+backward at the native grid) is 1; a route pass counts its
 token fraction (h_r·w_r)/(h·w) of the grids actually run (= r² on the lab's default grids); the
@@ -38,7 +43,7 @@ from __future__ import annotations
 import math
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 from functools import partial
 from typing import Any, Protocol
 
@@ -50,17 +55,19 @@ from ..rng import forked, seed_forked
 from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, param_grads
 from .paired import coupled_small_noise, injected_noise
-from .sequential import SAFE, Bound, Grads, Looks, PairedSums, read, verdict
+from .sequential import SAFE, SKEW_SHARE, Bound, Grads, Looks, PairedSums, read, verdict
 from .windows import probe_header, render_windows, stack_windows, utc_now
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
-SPOT_SAFE = "spot-safe"  # a safe spot check below its route's edge, as the window rules read it: not a window
+COST = "cost"  # a test whose window could not save what its remaining evidence costs (a run's horizon)
+SPOT_SAFE = "spot-safe"  # a spot check below its route's edge whose bound read safe: a violation, never a window
 
 
 @dataclass(frozen=True)
 class CertifySettings:
     """ε, draws per (image, bin), the look schedule (its last look = the image pool used), the pass
-    budget in native-step equivalents, the certifier's seed and the spot checks below each edge."""
+    budget in native-step equivalents, the certifier's seed, the spot checks below each edge, and the
+    passes the windows would serve (``horizon``; None: no pay rule, as in the ``certify`` command)."""
 
     margin: float = 0.05
     draws: int = 4
@@ -68,6 +75,13 @@ class CertifySettings:
     budget: float = 300.0
     seed: int = 0
     spot_checks: int = 2
+    horizon: float | None = None
+
+
+def first_verdict_cost(settings: CertifySettings, fractions: Sequence[float]) -> float:
+    """Native-step equivalents of the cheapest safe verdict: the top bin's test of every route (they
+    share its native draws) brought to the first look that may read safe."""
+    return settings.looks.first_safe * settings.draws * (1.0 + math.fsum(fractions))
 
 
 def settings_problems(s: CertifySettings) -> list[str]:
@@ -99,9 +113,14 @@ class DrawSource(Protocol):
     def cost(self, arm: Arm | None) -> float: ...
 
 
+def token_fraction(small: tuple[int, ...], native: tuple[int, ...]) -> float:
+    """(h_r·w_r)/(h·w) of two latent shapes (…, h, w): a route pass's cost in native passes by tokens."""
+    return (small[-2] * small[-1]) / (native[-2] * native[-1])
+
+
 def looks_json(looks: Looks) -> dict[str, Any]:
     """A look schedule as ``certify.json`` records it (and a resumed result must match)."""
-    return {"at": list(looks.at), "alpha": looks.alpha, "safe_from": looks.first_safe}
+    return {"at": list(looks.at), "alpha": looks.alpha, "safe_from": looks.first_safe, "safe_level": looks.safe_level}
 
 
 def _key(*parts: int) -> int:
@@ -115,8 +134,20 @@ class BackendDraws:
     (``paired=False``: an independent ε_r, the unpaired baseline the variance reduction is measured against).
     Every call runs in a forked, seeded RNG, as the map's draws do."""
 
-    def __init__(self, backend: MapBackend, bins: SigmaBins, draws: int, seed: int, paired: bool = True):
+    def __init__(
+        self,
+        backend: MapBackend,
+        bins: SigmaBins,
+        draws: int,
+        seed: int,
+        paired: bool = True,
+        fraction: Callable[[tuple[int, ...], tuple[int, ...]], float] | None = None,
+    ):
+        """``fraction(small_shape, native_shape)`` (the noise tensors' shapes): a route pass's cost in native
+        passes (default: its token fraction; a run passes its FLOP model's, so that the budget and the saving
+        share one unit)."""
         self.backend, self.bins, self.draws, self.seed, self.paired = backend, bins, draws, seed, paired
+        self.fraction = fraction or token_fraction
         self.params = [p for p in backend.trainable_parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("certify: the model has no trainable parameters (attach a trainable adapter)")
@@ -161,7 +192,7 @@ class BackendDraws:
             loss = self.backend.loss(image, self._input(image, arm), sigma)
         if arm.kind != "native":
             native = self.native_shape[image]
-            self.fractions[arm.name] = (shapes[0][-2] * shapes[0][-1]) / (native[-2] * native[-1])
+            self.fractions[arm.name] = self.fraction(tuple(shapes[0]), tuple(native))
         else:
             self.native_shape[image] = shapes[0]
         return param_grads(loss, self.params)
@@ -253,7 +284,7 @@ class CertifyResult:
                         "lo": t.lo,
                         "hi": t.hi,
                         "verdict": t.verdict,
-                        "safe": t.safe,
+                        "safe": t.safe,  # a spot check never is: its safe read is "spot-safe"
                         "spot_check": t.spot,
                         "bound": None if b is None else {"mean": b.mean, "sd": b.sd, "lower": b.lower, "upper": b.upper, "n": b.n},
                         "evidence": {"images": t.images, "excess": t.values},
@@ -262,14 +293,33 @@ class CertifyResult:
                     }
                 )
         return {
-            "method": "certify: paired noise, U-statistic cosine gap, Bonferroni-over-looks t confidence sequence, top-down search",
+            "method": "certify: paired noise, U-statistic cosine gap, t confidence sequence (safe read at α/20 on the last look), "
+            "top-down search",
             "provenance": self.provenance,
             "settings": {**asdict(s), "looks": looks_json(s.looks)},
             "bins_spec": {"edges": list(self.bins.edges), "endpoint": self.bins.endpoint},
             "cost": {"native_step_equivalents": self.spent, "budget": s.budget, "model": "native pass 1, route pass its token fraction"},
             "bins": bins,
+            "safe_bins": len(self.safe_tests()),
+            "spot_checks": self.spot_summary(),
             "notes": list(self.notes),
         }
+
+    def safe_tests(self) -> list[BinTest]:
+        """The safe bins (the certified windows' evidence); spot checks are never among them."""
+        return [t for t in self.tests if t.safe]
+
+    def spot_summary(self) -> dict[str, Any]:
+        spots = [t for t in self.tests if t.spot]
+        safe = [f"{t.route} {self.bins.label(t.bin)}" for t in spots if t.verdict == SPOT_SAFE]
+        return {"run": len(spots), "safe_never_routed": safe, "cost": sum(t.cost for t in spots)}
+
+    def spot_text(self) -> str:
+        """One line for logs and summaries: spot checks as what they are."""
+        spot = self.spot_summary()
+        if not spot["run"]:
+            return "spot checks: none"
+        return f"spot checks: {spot['run']} run, {len(spot['safe_never_routed'])} safe, never routed ({spot['cost']:.1f} native-step equivalents)"
 
 
 Progress = Callable[[float, str], None]
@@ -367,6 +417,8 @@ class Certifier:
         for t in group:
             t.bound = read(t.values, looks)
             t.verdict = verdict(t.bound, self.settings.margin, looks)
+            if t.spot and t.verdict == SAFE:
+                t.verdict = SPOT_SAFE
 
     def _pick(self, open_tests: list[BinTest]) -> list[BinTest]:
         """The (bin, count) group with the largest value per pass; search tests before spot checks."""
@@ -402,15 +454,43 @@ class Certifier:
                 spots_queued = True
                 self._queue_spot_checks(ladder, position)
                 continue
-            self._advance(self._pick(open_tests))
+            group = self._pick(open_tests)
+            stop = self._cannot_pay(group, ladder)
+            if stop is None:
+                self._advance(group)
+                continue
+            for t in group:
+                t.verdict = stop
+                t.bound = read(t.values, self.settings.looks) if len(t.values) >= 2 else None
         for t in self.tests:
             if t.open:
                 t.verdict = BUDGET
                 t.bound = read(t.values, self.settings.looks) if len(t.values) >= 2 else None
-        if self.out_of_budget:
+        if self.out_of_budget or any(t.verdict == BUDGET for t in self.tests):
             self.notes.append(f"budget of {self.settings.budget:g} native-step equivalents reached; open tests end 'budget' (not safe)")
+        unpaid = [f"{t.route} {self.bins.label(t.bin)}" for t in self.tests if t.verdict == COST]
+        if unpaid:
+            self.notes.append(
+                f"not worth its evidence over the run's {self.settings.horizon:g} passes (ended 'cost', not safe): {', '.join(unpaid)}"
+            )
         self._note_violations()
         return self.tests
+
+    def _cannot_pay(self, group: Sequence[BinTest], ladder: list[int]) -> str | None:
+        """In a run (a ``horizon``), why the group gets no more evidence: ``budget`` when the budget ends before
+        it could read safe, ``cost`` when the most its windows could save over the horizon (its route's token
+        saving × the mass of its bin and every bin below) is less than that evidence; None: go on (always
+        without a horizon, and for spot checks, which were asked for)."""
+        horizon = self.settings.horizon
+        if horizon is None or group[0].spot:
+            return None
+        b, k = group[0].bin, len(group[0].values)
+        need = (self.settings.looks.first_safe - k) * self._image_cost(group)
+        if self.spent + need > self.settings.budget:
+            return BUDGET
+        below = ladder[ladder.index(b) :]
+        reach = sum(self._mass(c) * (1.0 - self.source.cost(self._arm(t.route))) for t in group for c in below)
+        return None if horizon * reach >= need else COST
 
     def _queue_spot_checks(self, ladder: list[int], position: dict[str, int]) -> None:
         """``spot_checks`` bins evenly spread below each route's edge (the bin that ended its search)."""
@@ -428,7 +508,7 @@ class Certifier:
 
     def _note_violations(self) -> None:
         for t in self.tests:
-            if t.spot and t.safe:
+            if t.verdict == SPOT_SAFE:
                 self.notes.append(
                     f"{t.route} {self.bins.label(t.bin)}: a spot check below the route's edge is safe: the excess is not monotone in σ "
                     "there; not routed (a window ends at the edge), the bins between it and the edge were not tested"
@@ -495,9 +575,8 @@ class Verdicts:
 
     @property
     def rows(self) -> list[BinTest]:
-        """Every (route, bin) row; a safe spot check below a route's edge reads as not safe (never a window)."""
-        rows = [t for a in self.result.routes for t in self.result.rows(a)]
-        return [replace(t, verdict=SPOT_SAFE) if t.spot and t.safe else t for t in rows]
+        """Every (route, bin) row; a spot check below a route's edge is never safe (``spot-safe``: never a window)."""
+        return [t for a in self.result.routes for t in self.result.rows(a)]
 
     def routes(self, setting: tuple[str, str] = PLAIN) -> list[Arm]:
         return [a for a in self.result.routes if a.setting == setting]
@@ -517,8 +596,9 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
         "# downscale-plugin windows, written by the certifier (certify).",
         *described,
         f"# paired draws D = {s.draws} per (image, bin), looks at {list(s.looks.at)} images, seed {s.seed}; bins: {result.bins.spec()}",
-        f"# margin ε = {s.margin:g}; safe = anytime-valid one-sided {100 * (1 - s.looks.alpha):g}% upper bound (t at α/{len(s.looks.at)} "
-        f"per look) of the mean paired U-statistic excess < ε, read on {s.looks.first_safe} images or more; untested bins and "
+        f"# margin ε = {s.margin:g}; safe = one-sided t upper bound of the mean paired U-statistic excess < ε at level "
+        f"{s.looks.safe_level:g} (α = {s.looks.alpha:g} × {SKEW_SHARE:g} for skewed per-image values), read on "
+        f"{s.looks.first_safe} distinct probe images; untested bins and "
         "spot checks below a route's edge are not routed",
         f"# cost: {result.spent:.1f} native-step equivalents (budget {s.budget:g}); date: {date}",
         f"# command: {command or '?'}",
@@ -526,7 +606,7 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
     header += [f"# note: {n}" for n in (*stack.notes, *result.notes)]
     method = (
         f"certify (paired noise, D = {s.draws}, looks {list(s.looks.at)}, safe from {s.looks.first_safe} images, "
-        f"anytime-valid one-sided {100 * (1 - s.looks.alpha):g}%)"
+        f"safe at one-sided t level {s.looks.safe_level:g})"
     )
     images = max((len(t.values) for t in result.tests), default=0) or None
     return render_windows(backend, stack, header, method, s.margin, images, date)

@@ -17,7 +17,7 @@ from ..bins import SigmaBins, parse_bins
 from ..config import DownscaleConfig
 from ..rng import forked
 from .arms import Arm, MapBackend, latent_arm
-from .certify import BackendDraws, CertifyResult, CertifySettings, load_tests, run_certify, settings_problems
+from .certify import BackendDraws, CertifyResult, CertifySettings, first_verdict_cost, load_tests, run_certify, settings_problems
 from .certify_cli import console_table, foreign_problems, write_outputs
 from .sequential import Looks
 
@@ -36,10 +36,29 @@ class InRunSetup:
 def in_run_setup(cfg: DownscaleConfig, passes: int, seed: int) -> InRunSetup:
     """The config's certification for a run of ``passes`` single-sample native passes: the map's
     ratios, bins and ε, the ``certify_*`` keys, the default look schedule (its last look is the probe
-    count), and the budget ``certify_budget`` × ``passes``."""
-    settings = CertifySettings(cfg.map.margin, cfg.certify.draws, Looks(), cfg.certify.budget * passes, seed, cfg.certify.spot_checks)
+    count), the budget ``certify_budget`` × ``passes``, and the passes after the probes as the horizon
+    a window must pay back its evidence over."""
+    looks = Looks()
+    horizon = float(max(passes - looks.last, 0))
+    settings = CertifySettings(
+        cfg.map.margin, cfg.certify.draws, looks, cfg.certify.budget * passes, seed, cfg.certify.spot_checks, horizon
+    )
     problems = [f"{'map' if p.startswith('margin') else 'certify'}_{p}" for p in settings_problems(settings)]
     return InRunSetup([latent_arm(r) for r in cfg.map.ratios], parse_bins(cfg.map.bins), settings, problems)
+
+
+def budget_problem(cfg: DownscaleConfig, settings: CertifySettings, passes: int, fractions: Sequence[float]) -> str | None:
+    """``certify_budget`` too small for one safe verdict (every route's top bin on all its probes), with
+    what it would need; None when it covers one."""
+    need = first_verdict_cost(settings, fractions)
+    if settings.budget >= need:
+        return None
+    return (
+        f"certify_budget: {cfg.certify.budget:g} of this run's {passes} single-sample passes is {settings.budget:.1f} native-step "
+        f"equivalents; one safe verdict costs {need:.1f} ({settings.looks.first_safe} probes × {settings.draws} draws × (1 native + "
+        f"the routes' costs {' + '.join(f'{f:.3f}' for f in fractions)})): certify_budget >= {need / passes:.3f} at this length, "
+        "or a longer run; certify_budget = 0 trains without certifying"
+    )
 
 
 class ForeignEvidence(ValueError):
@@ -67,12 +86,14 @@ def certify_in_run(
     command: str,
     prior: tuple[str, dict[str, Any]] | None = None,
     foreign: str = "error",
+    fraction: Callable[[tuple[int, ...], tuple[int, ...]], float] | None = None,
 ) -> InRunCertification:
     """Certify ``routes`` over ``backend``'s probes and write the outputs to ``out_dir``.
 
     ``prior`` is (path, the parsed ``certify.json``) whose evidence continues (its settings are the
     host's to check before the run starts, ``certify_cli.resume_problems``); one measured on another
-    model, arch or tier raises :class:`ForeignEvidence` unless ``foreign = "warn"``."""
+    model, arch or tier raises :class:`ForeignEvidence` unless ``foreign = "warn"``. ``fraction``: a route
+    pass's cost in native passes (the run's FLOP model; default its token fraction)."""
     described = backend.describe()
     provenance: dict[str, Any] = {"command": command, "backend": described, "sigma_sampler": mass_text}
     tests, mismatches = [], []
@@ -83,7 +104,10 @@ def certify_in_run(
             raise ForeignEvidence("certify_resume:\n  - " + "\n  - ".join(mismatches))
         tests = load_tests(blob)
         provenance["resumed_from"] = {"file": path, "native_step_equivalents": blob["cost"]["native_step_equivalents"]}
-    source = BackendDraws(backend, bins, settings.draws, settings.seed)
+    source = BackendDraws(backend, bins, settings.draws, settings.seed, fraction=fraction)
+    grids = getattr(backend, "grids", None)  # each probe's latent grid (ProbeBackend): route costs known before any pass
+    for arm in routes if grids else ():
+        source.fractions[arm.name] = source.fraction(tuple(backend.arm_input(0, arm)[0]), tuple(grids[0]))
     t0 = time.perf_counter()
     with forked(backend.rng_devices):
         result = run_certify(source, routes, bins, settings, mass, provenance=provenance, prior=tests)

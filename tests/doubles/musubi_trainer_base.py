@@ -305,7 +305,7 @@ class TinyDataset:
             for i in range(int(args.items_per_bucket)):
                 latents = trainer.make_latents(frames, h, w, gen)
                 data = {"latents": latents, "text": torch.randn(3 + i, 8, generator=gen), **trainer.extra_items(latents)}
-                items.append(SimpleNamespace(frame_count=frames, data=data))  # an ItemInfo with its cached tensors
+                items.append(SimpleNamespace(item_key=f"{key}/{i}", frame_count=frames, data=data))  # an ItemInfo with its cached tensors
             buckets[tuple(key)] = items
         self.batch_manager = BucketBatchManager(buckets, self.batch_size, num_timestep_buckets)
 

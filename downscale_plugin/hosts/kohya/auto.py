@@ -27,7 +27,6 @@ assumes); a later run continues the evidence with ``certify_resume``.
 from __future__ import annotations
 
 import json
-import math
 import time
 from typing import Any
 
@@ -36,7 +35,7 @@ import torch
 
 from ...arch import get_arch
 from ...config import load_config
-from ...grid import target_grid
+from ...grid import target_grid, tokens
 from ...plan import format_plan
 from ...rng import plugin_logger
 from ...text import pct, route_rows
@@ -45,6 +44,7 @@ from .run import DownscaleRun
 
 logger = plugin_logger(__name__)
 
+COST_UNIT = "native-step equivalents of the run's FLOP model"  # the budget, the certification and the saving alike
 MASS_SAMPLES = 8192  # host σ draws behind each bin's sampler mass (what a safe verdict is worth; not a bound)
 
 
@@ -73,21 +73,18 @@ class AutoSession(ProbeSession):
     def problems(self) -> list[str]:
         """What makes certification in this run impossible, found before any compute."""
         cfg = self.run.cfg
+        from ...mapping.in_run import budget_problem
+
         problems = self.run_problems(cfg.map.ratios, "map_ratios", "probes") + self.setup.problems
-        first_look = self.first_look_cost()
-        if first_look is not None and self.settings.budget < first_look:
-            problems.append(
-                f"certify_budget: {cfg.certify.budget:g} of this run's {self.run_passes} single-sample passes is "
-                f"{self.settings.budget:.1f} native-step equivalents; the certifier's first look at one σ bin costs {first_look:.1f} "
-                f"({self.settings.looks.at[0]} probes × {self.settings.draws} draws × (1 native + the routes' token fractions)); "
-                "raise certify_budget or --max_train_steps, or set certify_budget = 0 to train without certifying"
-            )
+        fractions = self.route_fractions()
+        if fractions is not None:
+            problems += filter(None, [budget_problem(cfg, self.settings, self.run_passes, fractions)])
         if cfg.certify.resume:
             problems += self._prior_problems(cfg.certify.resume)
         return problems
 
-    def first_look_cost(self) -> float | None:
-        """Native-step equivalents of one look at one bin for every route, on the run's first bucket."""
+    def route_fractions(self) -> list[float] | None:
+        """Each route's pass cost in native passes (:meth:`pass_fraction`) on the run's first bucket."""
         if not self.buckets.latent_buckets:
             return None
         native = self.buckets.latent_buckets[0]
@@ -97,8 +94,18 @@ class AutoSession(ProbeSession):
             small = target_grid(native, arm.ratio, spec)
             if small is None:
                 return None  # named by run_problems
-            fractions.append(small[0] * small[1] / (native[0] * native[1]))
-        return self.settings.looks.at[0] * self.settings.draws * (1.0 + math.fsum(fractions))
+            fractions.append(self.pass_fraction(small, native))
+        return fractions
+
+    def pass_fraction(self, small: tuple[int, ...], native: tuple[int, ...]) -> float:
+        """A pass on the ``small`` latent grid (…, h, w) in native passes under the run's FLOP model (its token
+        fraction without one): the unit of the budget, the certification's cost and the run's saving alike."""
+        model = self.run.totals.flop_model
+        if model is None:
+            return (small[-2] * small[-1]) / (native[-2] * native[-1])
+        spec = get_arch(self.run.arch)
+        frames = native[-3] if len(native) == 5 else 1  # a video latent (B, C, F, H, W): every frame's tokens
+        return model.flops(frames * tokens(small[-2:], spec)) / model.flops(frames * tokens(native[-2:], spec))
 
     def _prior_problems(self, path: str) -> list[str]:
         """A resumed ``certify.json`` continues a confidence sequence only under the same settings, model and arch."""
@@ -167,6 +174,7 @@ class AutoSession(ProbeSession):
                 self.command(),
                 prior,
                 self.run.cfg.windows.foreign,
+                self.pass_fraction,
             )
         except ForeignEvidence as err:
             raise self.error(f'mode = "auto": {err}') from None
@@ -189,7 +197,7 @@ class AutoSession(ProbeSession):
         run, s, result = self.run, self.settings, self.result
         derived = load_config(plugin_toml=toml.load(windows_path))
         plan = run.retarget(derived.routes)
-        safe = [f"{t.route} {self.bins.label(t.bin)}" for t in result.tests if t.safe]
+        safe = [f"{t.route} {self.bins.label(t.bin)}" for t in result.safe_tests()]
         run.extra_metadata["ss_downscale_map"] = json.dumps(
             {
                 "method": "certify",
@@ -205,8 +213,10 @@ class AutoSession(ProbeSession):
                 "margin": s.margin,
                 "alpha": s.looks.alpha,
                 "looks": list(s.looks.at),
+                "spot_checks": result.spot_summary(),
                 "native_step_equivalents": round(result.spent, 3),
                 "budget": round(s.budget, 3),
+                "unit": COST_UNIT,
             }
         )
         if not run.cfg.routes:
@@ -233,16 +243,18 @@ class AutoSession(ProbeSession):
         share = spent / self.run_passes if self.run_passes else 0.0
         flop = totals.flop_saving()
         lines = [
-            f"  certification: {spent:.1f} native-step equivalents ({pct(share)} of the run's native compute, budget "
-            f"{pct(self.run.cfg.certify.budget)}), {self.certify_s:.1f} s; {sum(t.safe for t in self.result.tests)} safe bin(s); "
-            f"routed {pct(totals.demote_fraction())} of the run's steps"
+            f"  certification: {spent:.1f} native-step equivalents ({COST_UNIT}; {pct(share)} of the run's native compute, budget "
+            f"{pct(self.run.cfg.certify.budget)}), {self.certify_s:.1f} s; {len(self.result.safe_tests())} safe bin(s); "
+            f"{self.result.spot_text()}; routed {pct(totals.demote_fraction())} of the run's steps"
         ]
         if flop is not None:
             wall = time.perf_counter() - self.started
             train = max(wall - self.certify_s, 0.0)
             saved = train * flop / (1.0 - flop) if flop < 1.0 else 0.0  # what the routed steps took off an all-native run (FLOP model)
             lines.append(
-                f"  net saving: FLOP {pct(flop)} − certification {pct(share)} = {pct(flop - share)}; wall (FLOP-model estimate of the "
-                f"routed steps' saving minus the measured certification) {saved - self.certify_s:+.1f} s of {wall:.1f} s"
+                f"  net saving ({COST_UNIT}): routed steps {flop * self.run_passes:.1f} ({pct(flop)}) − certification {spent:.1f} "
+                f"({pct(share)}) = {(flop - share) * self.run_passes:+.1f} ({pct(flop - share)}) of the run's {self.run_passes} passes; "
+                f"wall (FLOP-model estimate of the routed steps' saving minus the measured certification) {saved - self.certify_s:+.1f} s "
+                f"of {wall:.1f} s"
             )
         return lines

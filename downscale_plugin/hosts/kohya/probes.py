@@ -8,10 +8,14 @@ measurement runs, every draw the trainer class's own step forced by the step hoo
 which argument holds the denoiser.
 
 Multi-process runs are refused: ranks would measure different probes and derive different windows.
+Probes are distinct images: a sample whose latents (else pixels) equal an earlier probe's is a repeat
+(``num_repeats``, a second epoch) and is skipped, and a dataset with fewer distinct images than the
+measurement needs is refused at start (a bound on repeats would read one image as several).
 """
 
 from __future__ import annotations
 
+import hashlib
 import inspect
 import math
 import os
@@ -35,6 +39,17 @@ from .run import DownscaleRun, version
 logger = plugin_logger(__name__)
 
 FOREIGN_BACKWARD = ("DEEPSPEED", "FSDP", "MEGATRON_LM")  # accelerate's DistributedType names whose engines own the backward
+
+
+def probe_identity(probe: dict[str, Any]) -> str | None:
+    """A probe's image by content: a hash of its latents' (else its pixels') bytes, at the top level or in its
+    ``batch``; None when it carries neither (then it is never taken for a repeat)."""
+    for holder in (probe, probe.get("batch")):
+        for key in ("latents", "images"):
+            value = holder.get(key) if isinstance(holder, dict) else None
+            if isinstance(value, torch.Tensor):
+                return hashlib.sha1(value.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()).hexdigest()
+    return None
 
 
 class ForcedSteps:
@@ -74,6 +89,7 @@ class ProbeSession:
         self.devices = accelerator_devices(ctx.accelerator.device)
         self.batches_needed = math.ceil(images / max(buckets.batch_size, 1))
         self.probes: list[dict[str, Any]] = []
+        self.seen: set[str] = set()  # probe_identity of every probe taken
         self.batches = 0
         self.measured = False
         self.hook: Any = None  # the run's step hook (a ``hook_class``), from make_hook
@@ -111,6 +127,12 @@ class ProbeSession:
                     f"{key}: {', '.join(f'{r:g}' for r in bad)} give no strictly smaller {spec.name} grid (multiple {spec.multiple}) "
                     f"for the {h}x{w} latent bucket of this dataset"
                 )
+        distinct = getattr(self.buckets, "images", None)
+        if distinct is not None and distinct < self.images:
+            problems.append(
+                f"{images_key}: the dataset has {distinct} distinct images; {self.images} probes must be {self.images} distinct "
+                f"images (a repeat is no new evidence){'; lower map_images or' if images_key == 'map_images' else ';'} add images"
+            )
         if self.forwards() < self.batches_needed:
             problems.append(
                 f"{images_key}: {self.images} probes need {self.batches_needed} train batches of {self.buckets.batch_size}, "
@@ -183,7 +205,13 @@ class ProbeSession:
     def offer(self, arguments: dict[str, Any]) -> None:
         """A train batch: take its samples as probes; with enough, run the measurement and what follows it."""
         self.batches += 1
-        self.probes += self.split(arguments)
+        for probe in self.split(arguments):
+            key = probe_identity(probe)
+            if key in self.seen:
+                continue  # a repeat of an image already probed
+            self.probes.append(probe)
+            if key is not None:
+                self.seen.add(key)
         if len(self.probes) < self.images:
             return
         self.patches.undo()

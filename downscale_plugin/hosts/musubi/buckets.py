@@ -22,6 +22,7 @@ class MusubiBuckets:
     weights: list[float]  # each bucket's share of the steps
     batch_size: int  # the most common batch size
     frames: list[float]  # each bucket's latent frames (1 for images; their mean over the keys sharing its grid)
+    images: int | None = None  # distinct items (by ``item_key``; None when the items carry none)
 
 
 def latent_frames(pixel_frames: int, stride: int | None) -> int:
@@ -35,6 +36,7 @@ def musubi_buckets(group: Any, vae_factor: int, frame_stride: int | None = None)
     steps: dict[tuple[int, int], float] = {}
     frame_sum: dict[tuple[int, int], float] = {}
     items_by_batch: dict[int, int] = {}
+    keys: set[Any] = set()
     for dataset in getattr(group, "datasets", None) or []:
         manager = getattr(dataset, "batch_manager", None)
         batch = int(getattr(dataset, "batch_size", 1) or 1)
@@ -47,5 +49,7 @@ def musubi_buckets(group: Any, vae_factor: int, frame_stride: int | None = None)
             frames = getattr(items[0], "frame_count", None) or 1
             frame_sum[hw] = frame_sum.get(hw, 0.0) + n * latent_frames(int(frames), frame_stride)
             items_by_batch[batch] = items_by_batch.get(batch, 0) + len(items)
+            keys.update((id(dataset), item.item_key) for item in items if getattr(item, "item_key", None) is not None)
     batch_size = max(items_by_batch, key=items_by_batch.get) if items_by_batch else 1
-    return MusubiBuckets(list(steps), list(steps.values()), batch_size, [frame_sum[hw] / steps[hw] for hw in steps])
+    frames = [frame_sum[hw] / steps[hw] for hw in steps]
+    return MusubiBuckets(list(steps), list(steps.values()), batch_size, frames, len(keys) or None)

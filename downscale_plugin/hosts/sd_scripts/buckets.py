@@ -32,12 +32,14 @@ class DatasetBuckets:
     latent_buckets: list[tuple[int, int]]  # latent (h, w) of every non-empty bucket
     weights: list[float]  # each bucket's share of the steps
     batch_size: int  # the most common batch size
+    images: int | None = None  # distinct images (a bucket lists an image once per repeat)
 
 
 def dataset_buckets(group: Any, vae_factor: int) -> DatasetBuckets:
     """The non-empty buckets of the trainer's dataset group at the latent grid, weighted by their steps."""
     steps: dict[tuple[int, int], float] = {}
     images_by_batch: dict[int, int] = {}
+    keys: set[Any] = set()
     for dataset in getattr(group, "datasets", None) or []:
         manager = getattr(dataset, "bucket_manager", None)
         batch = int(getattr(dataset, "batch_size", 1) or 1)
@@ -46,5 +48,6 @@ def dataset_buckets(group: Any, vae_factor: int) -> DatasetBuckets:
                 hw = (height // vae_factor, width // vae_factor)
                 steps[hw] = steps.get(hw, 0.0) + math.ceil(len(bucket) / batch)
                 images_by_batch[batch] = images_by_batch.get(batch, 0) + len(bucket)
+                keys.update((id(dataset), key) for key in bucket)
     batch_size = max(images_by_batch, key=images_by_batch.get) if images_by_batch else 1
-    return DatasetBuckets(list(steps), list(steps.values()), batch_size)
+    return DatasetBuckets(list(steps), list(steps.values()), batch_size, len(keys) or None)

@@ -113,10 +113,19 @@ map_out = "{out}"
 map_ratios = [0.5]                # 16x16 latents: the 8x8 route
 map_bins = "0,0.5,1"              # two bins and σ = 1
 map_margin = 0.99                 # a loose margin, so that a window is certified and the run routes
-certify_draws = 2                 # a first look at one bin: 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents;
-                                  # a safe verdict reads all 16 probes: 40
+certify_draws = 2                 # a safe verdict reads 16 distinct probes: 16 × 2 draws × (1 + 0.25) = 40 native-step
+                                  # equivalents at the token fraction (E2E_TOKEN_COSTS; E2E_IMAGES = 16)
 certify_budget = 0.5              # of the run's E2E_STEPS single-sample passes: ≥ 80 steps for a window to open
 """
+
+
+def token_costs() -> None:
+    """E2E_TOKEN_COSTS: an auto run's route passes at their token fraction, as the ``token_costs`` fixture of
+    ``tests/conftest.py`` sets them (under the FLOP model the 16x16 latents are text-dominated: no window pays)."""
+    from downscale_plugin.hosts.kohya.auto import AutoSession
+    from downscale_plugin.mapping.certify import token_fraction
+
+    AutoSession.pass_fraction = lambda self, small, native: token_fraction(small, native)
 
 
 # The multi-process run (``ranks``: E2E_PROCESSES ranks, 2 by default): two datasets, 128² and 256² images, batch size
@@ -461,6 +470,8 @@ def write_record(work: Path, steps: list, runs: list) -> None:
 def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
+    if os.environ.get("E2E_TOKEN_COSTS"):
+        token_costs()
     if mode == "ranks":
         if arch != "flux" or PROCESSES < 2:
             raise SystemExit(f"ranks: a multi-process run of flux (E2E_PROCESSES ≥ 2), not {arch} on {PROCESSES}")

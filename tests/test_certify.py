@@ -284,6 +284,7 @@ def test_a_safe_spot_check_below_the_edge_is_reported_and_never_routed():
     rows = {t.bin: t for t in result.rows(ROUTE)}
     assert rows[4].safe and rows[0].spot and rows[0].verdict == SPOT_SAFE and not rows[0].safe  # evidence, never a safe bin
     assert any("not monotone" in n and "not routed" in n for n in result.notes)
+    result.provenance["backend"] = {"arch": "flux", "native_latent_hw": [64, 64]}
     routes = toml.loads(windows_toml(result))["routes"]
     assert len(routes) == 1 and routes[0]["sigma_min"] == pytest.approx(0.95)
 
@@ -512,3 +513,24 @@ def test_a_model_that_certifies_nothing_costs_at_most_one_safe_verdicts_evidence
     assert not nothing.safe_tests() and 0 < nothing.spent <= first_verdict_cost(CertifySettings(), [0.5625]) == pytest.approx(100.0)
     borderline = _horizon_run(_profile(ROUTE.name, [0.06] * 5), 1000.0)  # just over ε: may run to the last look, no further
     assert not borderline.safe_tests() and borderline.spent <= 100.0
+
+
+def _scoped(backend: dict) -> tuple[list[dict], str]:
+    gaps = _profile(ROUTE.name, [0.005, 0.005, 0.3, 0.3, 0.3])
+    result = run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=8), [ROUTE], BINS, CertifySettings(budget=10_000), lambda lo, hi: hi - lo)
+    result.provenance["backend"] = backend
+    text = windows_toml(result)
+    return toml.loads(text).get("routes", []), text
+
+
+def test_certified_windows_serve_only_the_tiers_their_probes_were_measured_on():
+    """A window is a tier rule for each measured grid's tier ("E:T", buckets within tier_tolerance of E), never a scale
+    rule for every bucket: also for a non-square grid (√(96·128)·8 = 886.8 px, where the exact target edge is not a whole
+    pixel count) and for probes from two buckets (a tier rule per bucket's tier); the file and certify.json say so."""
+    routes, text = _scoped({"arch": "flux", "native_latent_hw": [96, 128]})
+    assert [r["route"] for r in routes] == ["887:665"] and not any("scale" in r for r in routes)
+    assert "measured on buckets: 96x128 (tier 886.8" in text and "serves: buckets within the run's tier_tolerance of 887 px only" in text
+    routes, text = _scoped({"arch": "flux", "probe_grids": [[64, 64], [128, 128]]})
+    assert [r["route"] for r in routes] == ["512:384", "1024:768"] and all(r["sigma_min"] == pytest.approx(0.9) for r in routes)
+    routes, text = _scoped({})
+    assert routes == [] and "the windows name no tier and are not routed" in text

@@ -212,3 +212,19 @@ def test_paired_noise_couples_each_frame_of_a_video_latent():
         assert torch.allclose(small[:, :, f], coupled_small_noise(noise[:, :, f], (4, 6)))
     rows, cols = downsample_covariance_sqrt(8, 4), downsample_covariance_sqrt(12, 6)
     assert torch.allclose(area_downsample(noise, (4, 6)), rows @ small @ cols.T, atol=1e-10)
+
+
+def test_windows_serve_only_the_tiers_of_the_buckets_the_probes_came_from(tmp_path):
+    """Two buckets (Qwen-Image 64² and 128²: latents 8x8 and 16x16): the certified windows are tier rules for the
+    buckets the probes were measured on, never a scale rule for every bucket, and the run routes only those tiers."""
+    name, argv = ARCHS["qwen_image"]
+    argv = [*argv, "--buckets", "64x64", "128x128", *ARGV]
+    trainer = run(name, *argv, tmp_path=tmp_path / "out", downscale=auto_config(tmp_path, map_margin=0.99))
+    blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
+    windows = toml.load(tmp_path / "auto" / "windows.toml")
+    measured = {tuple(g) for g in blob["provenance"]["backend"]["probe_grids"]}
+    tiers = {f"{8 * h}:{4 * h}" for h, _ in measured}  # VAE factor 8: the 8x8 latent is the 64 px tier, routed at 32 px
+    assert windows["routes"] and all("scale" not in r for r in windows["routes"]) and {r["route"] for r in windows["routes"]} == tiers
+    assert blob["scope"].startswith("measured on buckets: ") and "serves: buckets within the run's tier_tolerance of" in blob["scope"]
+    routed = {c["tokens"][1] for c in trainer.last_transformer.calls if c["tokens"][0] == 4} - {h * w // 4 for h, w in measured}
+    assert routed <= {h * w // 16 for h, w in measured}  # every train forward at a measured grid or its route's small grid

@@ -400,17 +400,17 @@ def test_the_real_training_loop_routes_saves_and_resumes(musubi, tmp_path):
         assert json.loads(f.metadata()["ss_downscale_counts"])["forwards"] == 8
 
 
-def _wan_cache(m: dict, root) -> str:
-    """Two 64² five-frame clips cached by musubi-tuner's own Wan cache writers, and the dataset TOML over them."""
+def _wan_cache(m: dict, root, clips: int) -> str:
+    """``clips`` 64² five-frame clips cached by musubi-tuner's own Wan cache writers, and the dataset TOML over them."""
     cache, videos = root / "cache", root / "videos"
     videos.mkdir(parents=True)
     gen = torch.Generator().manual_seed(0)
-    for i in range(2):
+    for i in range(clips):
         path = cache / f"clip{i}_00000-005_0064x0064_wan.safetensors"
         item = m["ItemInfo"](f"clip{i}", "", (64, 64), (64, 64, 5), frame_count=5, latent_cache_path=str(path))
         item.text_encoder_output_cache_path = str(cache / f"clip{i}_wan_te.safetensors")
         m["cache_io"].save_latent_cache_wan(item, torch.randn(16, 2, 8, 8, generator=gen), None, None, None)
-        m["cache_io"].save_text_encoder_output_cache_wan(item, torch.randn(4 + i, 32, generator=gen))
+        m["cache_io"].save_text_encoder_output_cache_wan(item, torch.randn(4 + i % 4, 32, generator=gen))  # within text_len 8
     toml = root / "dataset.toml"
     toml.write_text(
         f"[general]\nresolution = [64, 64]\nbatch_size = 1\nenable_bucket = false\n\n"
@@ -428,8 +428,9 @@ def _train_wan(
     module: str = "downscale_plugin",
     experts: list | None = None,
     inputs: list | None = None,
+    clips: int = 4,
 ) -> list[tuple[int, ...]]:
-    """Wan's whole ``NetworkTrainer.train`` on the cached clips (only the checkpoint loader replaced: a tiny
+    """Wan's whole ``NetworkTrainer.train`` on ``clips`` cached clips (only the checkpoint loader replaced: a tiny
     ``WanModel``, and with ``--dit_high_noise`` a second one as the inactive expert); returns the DiT's input shape
     of every forward, in order (also appended to ``inputs``, for a run that ends in SystemExit); ``experts`` gets
     (high-noise expert ran, timestep) of every forward."""
@@ -465,7 +466,7 @@ def _train_wan(
     save_file({k: v.contiguous() for k, v in tiny().state_dict().items()}, str(dit))  # the trainer reads the DiT's dtype from it
     parser = host.wan_setup_parser(m["parser"]())
     args = parser.parse_args([
-        *([] if "--task" in argv else ["--task", "t2v-14B"]), "--dit", str(dit), "--dataset_config", _wan_cache(m, tmp_path), "--network_module", module,
+        *([] if "--task" in argv else ["--task", "t2v-14B"]), "--dit", str(dit), "--dataset_config", _wan_cache(m, tmp_path, clips), "--network_module", module,
         "--network_dim", "4", "--sdpa", "--mixed_precision", "no", "--seed", "1", "--timestep_sampling", "shift",
         "--discrete_flow_shift", "3", *(["--network_args", *network_args] if network_args else []), "--max_train_steps", str(steps), "--output_dir",
         str(tmp_path / "out"), "--output_name", "w", "--optimizer_type", "AdamW", "--learning_rate", "1e-3",
@@ -490,9 +491,10 @@ def test_the_real_wan_loop_trains_video_at_the_small_grid_with_every_frame(musub
     assert counts["forwards"] == 3 and counts["flop_saving"] == pytest.approx(1 - model.flops(2 * 4) / model.flops(2 * 16))
 
 
+@pytest.mark.usefixtures("token_costs")
 def test_the_real_wan_loop_certifies_in_the_run_and_trains_with_the_windows(musubi, tmp_path):
     """``mode = "auto"`` in Wan's whole NetworkTrainer.train: 168 steps, D = 4, so the budget (0.5 × 168 = 84) covers one
-    bin read on all 16 probes (16 × 4 × 1.25 = 80). The probes are in at batch 16 (two clips, batch 1); before its
+    bin read on all 16 probes (16 × 4 × 1.25 = 80). The probes are in at batch 16 (16 clips, batch 1); before its
     step the certifier runs every draw through the real ``process_batch`` (one probe, F = 2 latent frames kept at
     both grids), writes windows.toml / certify.json, and the run's later steps route by them."""
     from safetensors import safe_open
@@ -500,7 +502,9 @@ def test_the_real_wan_loop_certifies_in_the_run_and_trains_with_the_windows(musu
     out = tmp_path / "auto"
     keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
             "ds_certify_draws=4", "ds_map_margin=0.99"]  # fmt: skip
-    inputs = _train_wan(musubi, tmp_path, keys, 168, "--gradient_checkpointing")  # the measurement's backward through its checkpoints
+    inputs = _train_wan(
+        musubi, tmp_path, keys, 168, "--gradient_checkpointing", clips=16
+    )  # the measurement's backward through its checkpoints
     windows = (out / "windows.toml").read_text()
     blob = json.loads((out / "certify.json").read_text())
     assert 'windows_arch = "wan"' in windows and 'windows_native = "8x8"' in windows and "[[routes]]" in windows
@@ -516,6 +520,7 @@ def test_the_real_wan_loop_certifies_in_the_run_and_trains_with_the_windows(musu
     assert counts["forwards"] == 168 and counts["routes"].get("native", 1.0) < 1.0
 
 
+@pytest.mark.usefixtures("token_costs")
 def test_a_real_wan_certification_that_opens_nothing_leaves_the_run_bitwise_the_hosts(musubi, tmp_path):
     """ε ≈ 0 in the real Wan loop: the certifier's draws (real process_batch, real sampler, real loss) leave the
     run's RNG, gradients, optimizer and the trainer's timestep-bucket pool (which --preserve_distribution_shape
@@ -526,15 +531,16 @@ def test_a_real_wan_certification_that_opens_nothing_leaves_the_run_bitwise_the_
     keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
             "ds_certify_draws=2", "ds_map_margin=1e-9"]  # fmt: skip
     argv = ("--num_timestep_buckets", "3", "--preserve_distribution_shape", "--min_timestep", "100")
-    plain = _train_wan(musubi, tmp_path / "plain", [], 24, *argv, module="networks.lora_wan")
-    plugin = _train_wan(musubi, tmp_path / "plugin", keys, 24, *argv)
+    plain = _train_wan(musubi, tmp_path / "plain", [], 80, *argv, module="networks.lora_wan", clips=16)  # budget 40: one safe verdict
+    plugin = _train_wan(musubi, tmp_path / "plugin", keys, 80, *argv, clips=16)
     blob = json.loads((out / "certify.json").read_text())
     assert blob["cost"]["native_step_equivalents"] > 0 and not any(row["safe"] for row in blob["bins"])
-    assert len(plugin) > len(plain) == 24 and plugin[:15] + plugin[len(plugin) - 9 :] == plain
+    assert len(plugin) > len(plain) == 80 and plugin[:15] + plugin[len(plugin) - 65 :] == plain
     theirs, ours = (load_file(str(tmp_path / run / "out" / "w.safetensors")) for run in ("plain", "plugin"))
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
 
 
+@pytest.mark.usefixtures("token_costs")
 def test_real_wan22_certifier_draws_run_the_expert_their_sigma_names_and_leave_the_run_bitwise(musubi, tmp_path):
     """Wan 2.2 with both experts (the real swap_high_low_weights, the real two-expert sampler): every forward, the
     certifier's included, runs on the expert its timestep names against timestep_boundary, the forced draws use
@@ -546,8 +552,8 @@ def test_real_wan22_certifier_draws_run_the_expert_their_sigma_names_and_leave_t
             "ds_certify_draws=2", "ds_map_margin=1e-9"]  # fmt: skip
     argv = ("--task", "t2v-A14B", "--dit_high_noise", str(tmp_path / "high.safetensors"))
     theirs, ours = [], []
-    plain = _train_wan(musubi, tmp_path / "plain", [], 24, *argv, module="networks.lora_wan", experts=theirs)
-    plugin = _train_wan(musubi, tmp_path / "plugin", keys, 24, *argv, experts=ours)
+    plain = _train_wan(musubi, tmp_path / "plain", [], 80, *argv, module="networks.lora_wan", experts=theirs, clips=16)
+    plugin = _train_wan(musubi, tmp_path / "plugin", keys, 80, *argv, experts=ours, clips=16)
     forced = len(plugin) - len(plain)
     assert forced > 0 and ours[:15] + ours[15 + forced :] == theirs
     assert all(high == (t / 1000.0 >= 0.875) for high, t in ours) and {high for high, _ in ours[15 : 15 + forced]} == {False, True}

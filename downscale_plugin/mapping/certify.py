@@ -56,7 +56,7 @@ from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, param_grads
 from .paired import coupled_small_noise, injected_noise
 from .sequential import SAFE, SKEW_SHARE, Bound, Grads, Looks, PairedSums, read, verdict
-from .windows import probe_header, render_windows, stack_windows, utc_now
+from .windows import measured_tiers, probe_header, render_windows, stack_windows, tier_entries, utc_now
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
 COST = "cost"  # a test whose window could not save what its remaining evidence costs (a run's horizon)
@@ -301,6 +301,7 @@ class CertifyResult:
             "cost": {"native_step_equivalents": self.spent, "budget": s.budget, "model": "native pass 1, route pass its token fraction"},
             "bins": bins,
             "safe_bins": len(self.safe_tests()),
+            "scope": scope_text(self.provenance.get("backend", {})),
             "spot_checks": self.spot_summary(),
             "notes": list(self.notes),
         }
@@ -603,13 +604,28 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
         f"# cost: {result.spent:.1f} native-step equivalents (budget {s.budget:g}); date: {date}",
         f"# command: {command or '?'}",
     ]
-    header += [f"# note: {n}" for n in (*stack.notes, *result.notes)]
+    routes, unscoped = [], []
+    for w in stack.windows:
+        entries, notes = tier_entries(w, backend)
+        routes += entries
+        unscoped += notes
+    header.append(f"# {scope_text(backend)}")
+    header += [f"# note: {n}" for n in (*stack.notes, *result.notes, *unscoped)]
     method = (
         f"certify (paired noise, D = {s.draws}, looks {list(s.looks.at)}, safe from {s.looks.first_safe} images, "
         f"safe at one-sided t level {s.looks.safe_level:g})"
     )
     images = max((len(t.values) for t in result.tests), default=0) or None
-    return render_windows(backend, stack, header, method, s.margin, images, date)
+    return render_windows(backend, stack, header, method, s.margin, images, date, routes=routes)
+
+
+def scope_text(backend: dict) -> str:
+    """Which buckets the certified windows serve: the tiers the probes were measured on, and no other."""
+    tiers = measured_tiers(backend)
+    if not tiers:
+        return "scope: no arch or probe grid recorded; the windows name no tier and are not routed"
+    measured = ", ".join(f"{h}x{w} (tier {edge:g} px)" for (h, w), edge in tiers)
+    return f"measured on buckets: {measured}; serves: buckets within the run's tier_tolerance of {', '.join(f'{round(e)}' for _, e in tiers)} px only"
 
 
 def full_map_cost(images: int, draws: int, bins: int, fractions: Sequence[float]) -> float:

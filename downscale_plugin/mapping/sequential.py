@@ -134,6 +134,8 @@ class PairedSums:
         return excess_of(
             self._u(None, None, self.squares[None]), self._u(route, route, self.squares[route]), self._u(None, route, self.cross[route])
         )
+
+
 SKEW_SHARE = 0.05  # the safe read's t level is α × this over the safe-readable looks (module docstring; FIDELITY.md §9.5)
 
 

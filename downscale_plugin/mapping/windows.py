@@ -125,6 +125,44 @@ def route_entry(w: Window, native_edge: float) -> dict:
     return entry
 
 
+def measured_tiers(backend: dict) -> list[tuple[tuple[int, int], float]]:
+    """(latent grid, tier edge in px) of every grid the probes were measured on (``probe_grids``, else the one
+    ``native_latent_hw``), one per tier edge rounded to a pixel; empty without an arch."""
+    arch = backend.get("arch")
+    grids = backend.get("probe_grids") or ([backend["native_latent_hw"]] if backend.get("native_latent_hw") else [])
+    tiers: dict[int, tuple[tuple[int, int], float]] = {}
+    for h, w in grids if arch else ():
+        edge = math.sqrt(h * w) * get_arch(arch).vae_factor
+        tiers.setdefault(round(edge), ((int(h), int(w)), edge))
+    return sorted(tiers.values(), key=lambda t: t[1])
+
+
+def tier_entries(w: Window, backend: dict) -> tuple[list[dict], list[str]]:
+    """``[[routes]]`` tables of one window for the measured tiers only (``route = "E:T"``: buckets within the run's
+    ``tier_tolerance`` of E, never every bucket as a ``scale`` rule would), and notes on what could not be scoped:
+    E is the tier edge rounded to a pixel and T a whole pixel count whose ratio T/E gives the measured grid the
+    route's own small grid (``grid.target_grid``)."""
+    from ..grid import target_grid
+
+    spec = get_arch(backend["arch"]) if backend.get("arch") else None
+    entries, notes = [], []
+    for hw, edge in measured_tiers(backend):
+        native = round(edge)
+        wanted = target_grid(hw, w.ratio, spec)
+        target = next((t for t in sorted(range(1, native), key=lambda t: abs(t - native * w.ratio))[:3]
+                       if target_grid(hw, t / native, spec) == wanted), None)  # fmt: skip
+        if wanted is None or target is None:
+            notes.append(
+                f"{w.arm} {w.text()}: no whole-pixel tier rule gives the {hw[0]}x{hw[1]} grid its measured small grid; not routed there"
+            )
+            continue
+        entry = {"route": f"{native}:{target}", "sigma_min": w.sigma_min}
+        if w.sigma_max is not None:
+            entry["sigma_max"] = w.sigma_max
+        entries.append(entry)
+    return entries, notes
+
+
 def provenance_keys(backend: dict, margin: float, method: str, images: int | None, date: str) -> dict:
     """The ``windows_*`` keys (``config.WindowsProvenance``) of a windows TOML: the base model, arch and
     native grid the verdicts were measured on, and how; what the backend does not know is left out."""
@@ -162,17 +200,27 @@ def utc_now() -> str:
 
 
 def render_windows(
-    backend: dict, stack: Stack, header: list[str], method: str, margin: float, images: int | None, date: str, extra: dict | None = None
+    backend: dict,
+    stack: Stack,
+    header: list[str],
+    method: str,
+    margin: float,
+    images: int | None,
+    date: str,
+    extra: dict | None = None,
+    routes: list[dict] | None = None,
 ) -> str:
     """A windows file: the header's comment lines, then the plugin TOML (arch, the ``windows_*`` provenance,
-    ``extra`` keys, the stacked windows as routes, or ``enable = false`` without one). The map and the
-    certifier write theirs through this, so the router reads both alike."""
+    ``extra`` keys, the stacked windows as routes (``routes``: these tables instead), or ``enable = false``
+    without one). The map and the certifier write theirs through this, so the router reads both alike."""
     arch, native_edge, _ = probe_header(backend)
     doc: dict = {"arch": arch} if arch else {}
     doc.update(provenance_keys(backend, margin, method, images, date))
     doc.update(extra or {})
-    if stack.windows:
-        doc["routes"] = [route_entry(w, native_edge) for w in stack.windows]
+    if routes is None and stack.windows:
+        routes = [route_entry(w, native_edge) for w in stack.windows]
+    if routes:
+        doc["routes"] = routes
     else:
         header = [*header, "# no route has a safe window at this margin: the plugin is disabled"]
         doc["enable"] = False

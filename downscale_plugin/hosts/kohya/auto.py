@@ -133,8 +133,10 @@ class AutoSession(ProbeSession):
         return (
             f'  mode = "auto": the certifier runs when the first {self.images} training samples are in (batch {self.batches_needed}, '
             f"before its step); routes {', '.join(a.name for a in self.routes)}, σ bins {self.bins.spec()}, ε {s.margin:g}, "
-            f"paired D = {s.draws}, looks {list(s.looks.at)}: at most {s.budget:.0f} native-step equivalents "
-            f"({pct(self.run.cfg.certify.budget)} of the run's {self.run_passes} single-sample passes); outputs to {self.out_dir}"
+            f"paired D = {s.draws}, looks {list(s.looks.at)}, safe on {s.looks.first_safe} distinct probe images at t level "
+            f"{s.looks.safe_level:g}: at most {s.budget:.0f} {COST_UNIT} ({pct(self.run.cfg.certify.budget)} of the run's "
+            f"{self.run_passes} single-sample passes), none on a window that cannot pay it back over the run's later passes; "
+            f"the windows serve only the tiers of the buckets the probes come from; outputs to {self.out_dir}"
             + (f"; continuing the evidence of {self.run.cfg.certify.resume}" if self.prior else "")
         )
 
@@ -194,6 +196,8 @@ class AutoSession(ProbeSession):
 
     def train_with(self, windows_path: str) -> None:
         """The certified windows become the run's routes: router, plan, accounting, metadata; log them."""
+        from ...mapping.certify import scope_text
+
         run, s, result = self.run, self.settings, self.result
         derived = load_config(plugin_toml=toml.load(windows_path))
         plan = run.retarget(derived.routes)
@@ -214,6 +218,7 @@ class AutoSession(ProbeSession):
                 "alpha": s.looks.alpha,
                 "looks": list(s.looks.at),
                 "spot_checks": result.spot_summary(),
+                "scope": scope_text(result.provenance.get("backend", {})),
                 "native_step_equivalents": round(result.spent, 3),
                 "budget": round(s.budget, 3),
                 "unit": COST_UNIT,

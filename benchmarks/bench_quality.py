@@ -33,7 +33,6 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
-import math
 import os
 import statistics
 import subprocess
@@ -115,40 +114,24 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str
     import torch
 
     from downscale_plugin.config import load_config
-    from downscale_plugin.hosts.lab.adapter import LabPlugin, lab_sampler
-    from downscale_plugin.hosts.lab.twin import twin_step
-    from downscale_plugin.lab.model import image_tokens
+    from downscale_plugin.hosts.lab.adapter import LabPlugin
+    from downscale_plugin.hosts.lab.twin import TwinRun, equal_compute_steps, planned_saving
     from downscale_plugin.lab.trainer import lab_args, train_lora
-    from downscale_plugin.plan import plan_table
 
     cpu_start = time.process_time()
-    model, data, model_cfg, flop_model = lab.model, lab.data, lab.model_cfg, lab.flop_model
     table = arm_table(arm)
     plugin, total, planned = None, args.steps, 0.0
     if table is not None:
-        cfg = load_config(plugin_toml=table)
-        plugin = LabPlugin.for_lab(cfg, model_cfg, data, args.batch_size)
-        plan = plan_table(cfg, plugin.arch, lab_sampler(lab_args()), plugin.buckets, args.batch_size, flop_model=plugin.flop_model,
-                          total_forwards=args.steps)  # fmt: skip
-        planned = plan.flop_saving
-        total = math.ceil(EXTRA * args.steps / (1.0 - planned))
-    native_tokens: list[int] = []
-
-    def scope(micro_step: int, batch: dict):
-        native_tokens.append(image_tokens(*batch["latents"].shape[-2:]))
-        return twin_step(seed, micro_step, batch)
-
+        plugin = LabPlugin.for_lab(load_config(plugin_toml=table), lab.model_cfg, lab.data, args.batch_size)
+        planned = planned_saving(plugin, lab_args(), args.steps)
+        total = equal_compute_steps(args.steps, planned, EXTRA)
+    twin = TwinRun(seed, lab.flop_model, args.batch_size)
     result = train_lora(
-        model, data, steps=total, lr=args.lr, rank=args.rank, seed=seed, batch_size=args.batch_size,
-        hook_installer=None if plugin is None else plugin.installer,
-        validate=lab.validate,
-        validate_at=validation_steps(args.steps, total, planned), step_scope=scope, clock=time.process_time,
+        lab.model, lab.data, steps=total, lr=args.lr, rank=args.rank, seed=seed, batch_size=args.batch_size,
+        hook_installer=None if plugin is None else plugin.installer, validate=lab.validate,
+        validate_at=validation_steps(args.steps, total, planned), step_scope=twin, clock=time.process_time,
     )  # fmt: skip
-    run_tokens = [t.tokens_run for t in plugin.trace] if plugin is not None else native_tokens
-    if len(run_tokens) != total:
-        raise RuntimeError(f"{arm} seed {seed}: {len(run_tokens)} traced steps for {total}")
-    flops_run = list(itertools.accumulate(args.batch_size * flop_model.flops(n) for n in run_tokens))
-    flops_native = list(itertools.accumulate(args.batch_size * flop_model.flops(n) for n in native_tokens))
+    flops_run, flops_native = twin.flops(plugin)
     cpu = list(itertools.accumulate(result.step_times))
     routed = [t.rule_index >= 0 for t in plugin.trace] if plugin is not None else [False] * total
     n = args.steps

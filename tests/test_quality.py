@@ -11,11 +11,12 @@ import pytest
 import torch
 
 from downscale_plugin.config import load_config
+from downscale_plugin.flops import FlopModel
 from downscale_plugin.hosts.lab.adapter import LabPlugin
 from downscale_plugin.hosts.lab.quality import paired_interval, value_at, variance_ratio
-from downscale_plugin.hosts.lab.twin import step_seed, twin_scope, twin_step
+from downscale_plugin.hosts.lab.twin import TwinRun, equal_compute_steps, step_seed, twin_step
 from downscale_plugin.lab.data import LabData, LabDataConfig
-from downscale_plugin.lab.model import LabModelConfig, build_model
+from downscale_plugin.lab.model import LabModelConfig, build_model, flop_shape
 from downscale_plugin.lab.trainer import train_lora
 from downscale_plugin.mapping.paired import coupled_small_noise
 
@@ -35,11 +36,14 @@ def lab():
     torch.set_num_threads(threads)
 
 
-def _run(lab, routes, twin: bool, steps: int = 8, seed: int = 3):
+def _run(lab, routes, twin: bool, steps: int = 8, seed: int = 3, record: list | None = None):
     model, data = lab
     plugin = None if routes is None else LabPlugin.for_lab(load_config(table={"arch": "flux", "routes": routes}), TINY, data)
+    scope = TwinRun(seed, FlopModel(*flop_shape(TINY))) if twin else None
     result = train_lora(model, data, steps=steps, lr=1e-2, rank=2, seed=seed, hook_installer=plugin and plugin.installer,
-                        step_scope=twin_scope(seed) if twin else None)  # fmt: skip
+                        step_scope=scope)  # fmt: skip
+    if record is not None:
+        record.append(scope)
     return result, plugin
 
 
@@ -55,9 +59,17 @@ def test_twins_share_every_steps_sigma_and_differ_only_on_routed_steps(lab) -> N
     """Twin mode pairs σ on every step; without it the routed run's σ drift from the first routed step on."""
     _, reference = _run(lab, NOTHING, twin=True)
     native, _ = _run(lab, None, twin=True)
-    routed, plugin = _run(lab, ROUTES, twin=True)
+    twins: list[TwinRun] = []
+    routed, plugin = _run(lab, ROUTES, twin=True, record=twins)
     flags = [t.rule_index >= 0 for t in plugin.trace]
     assert any(flags) and not all(flags)
+    run_flops, native_flops = twins[0].flops(plugin)
+    assert 1 - run_flops[-1] / native_flops[-1] == pytest.approx(plugin.accounting.flop_saving())
+    run_steps, native_steps = (
+        torch.tensor(run_flops, dtype=torch.float64).diff(prepend=torch.zeros(1)),
+        torch.tensor(native_flops, dtype=torch.float64).diff(prepend=torch.zeros(1)),
+    )
+    assert torch.equal(run_steps < native_steps, torch.tensor(flags))  # a routed step costs less, a native one the same
     assert [t.sigmas for t in plugin.trace] == [t.sigmas for t in reference.trace]
     first = flags.index(True)
     assert routed.losses[:first] == native.losses[:first] and routed.losses[first] != native.losses[first]
@@ -117,6 +129,7 @@ def test_value_at_interpolates_and_refuses_to_extrapolate() -> None:
     with pytest.raises(ValueError, match="non-decreasing"):
         value_at([0.0, 2.0, 1.0], ys, 1.0)
     assert variance_ratio([0.0, 1.0], [0.0, 4.0]) == pytest.approx(16.0) and variance_ratio([1.0], [0.0, 1.0]) is None
+    assert equal_compute_steps(64, 0.5) == 141 and equal_compute_steps(64, 0.0, extra=1.0) == 64
 
 
 def _bench():

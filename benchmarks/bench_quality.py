@@ -157,6 +157,43 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str
     }
 
 
+MAPS = (ROOT / "docs" / "fidelity" / "lab_n64_d8_n16" / "map.json", ROOT / "docs" / "fidelity" / "lab_n64_d8_n16_pool" / "map.json")
+
+
+def map_rows() -> dict[float, list[dict[str, Any]]]:
+    """The lab map's bins per route ratio (0.875, 0.75 from the exact-filter map; 0.5 from the pool map)."""
+    rows: dict[float, list[dict[str, Any]]] = {}
+    for path in MAPS:
+        for row in json.loads(path.read_text())["rows"]:
+            if row["kind"] == "latent" and row["ratio"] not in rows:
+                rows.setdefault(row["ratio"], [])
+            if row["kind"] == "latent" and (path == MAPS[0] or row["ratio"] == 0.5):
+                rows[row["ratio"]].append(row)
+    return rows
+
+
+def bin_of(rows: list[dict[str, Any]], sigma: float) -> dict[str, Any]:
+    for row in rows:
+        if (row["endpoint"] and sigma >= 1.0) or (not row["endpoint"] and row["lo"] < sigma <= row["hi"]):
+            return row
+    return rows[0]  # σ = 0 exactly
+
+
+def gradient_criteria(run: dict[str, Any], rows: dict[float, list[dict[str, Any]]]) -> dict[str, float]:
+    """The map's cosine-gap excess over a routed run's own steps (first ``steps``): the largest upper
+    bound of any bin it routed in (what a window's ε bounds) and the mean excess per step (native
+    steps count 0: the dose the run received)."""
+    excess, worst = [], 0.0
+    for rule, sigma in run["steps_trace"]:
+        if rule < 0:
+            excess.append(0.0)
+            continue
+        row = bin_of(rows[run["route_ratios"][rule]], sigma)
+        excess.append(row["excess"])
+        worst = max(worst, row["ub"])
+    return {"max_ub": worst, "mean_excess": statistics.fmean(excess) if excess else 0.0}
+
+
 # ---- aggregation (pure: tested on synthetic runs in tests/test_quality.py through hosts/lab/quality.py) ----
 
 
@@ -218,6 +255,11 @@ def summarize(runs: dict[tuple[str, int], dict[str, Any]], steps: int, base_val:
             "steps_to_equal_compute": statistics.fmean(steps / (1.0 - r["flop_saving"]) for r in rs),
             "variance_ratio_unpaired_over_twin": variance_ratio(eq_steps, unpaired) if arm != "native" else None,
         }  # fmt: skip
+        if arm != "native" and all(r.get("steps_trace") for r in rs):
+            rows = map_rows()
+            crit = [gradient_criteria(r, rows) for r in rs]
+            entry["map_max_ub"] = max(c["max_ub"] for c in crit)
+            entry["map_mean_excess"] = statistics.fmean(c["mean_excess"] for c in crit)
         out["arms"][arm] = entry
     return out
 

@@ -14,13 +14,17 @@ def test_demo_quick_trains_both_adapters_and_reports(tmp_path, monkeypatch, caps
     out = capsys.readouterr().out
     assert png.is_file() and png.stat().st_size > 10_000
     realized = [float(x) for x in re.findall(r"(?:route r\d.*|native steps): realized / predicted\s+(?:100\.0 %\s+)?([\d.]+) % /", out)]
-    assert len(realized) == 3 and abs(sum(realized) - 100.0) < 0.3  # two routes + native, all 12 steps
+    assert len(realized) == 3 and abs(sum(realized) - 100.0) < 0.3  # two routes + native, every routed-run step
     assert realized[-1] < 100.0  # the plugin routed at least one step
-    val = re.search(r"validation loss \(base ([\d.]+)\)\s+([\d.]+)\s+([\d.]+)", out)
+    extra = int(re.search(r"steps \(batch size\)\s+12 \(1\)\s+12 \+ (\d+) \(1\)", out).group(1))
+    assert extra > 0 and f"{12 + extra} train forwards" in out  # the routed twin trains on to equal compute
+    val = re.search(r"validation loss at equal steps \(base ([\d.]+)\)\s+([\d.]+)\s+([\d.]+)", out)
     assert val and all(0.0 < float(v) < 10.0 for v in val.groups())
-    cosine = float(re.search(r"cosine of ΔW to the native adapter\s+1\s+(-?[\d.]+)", out).group(1))
+    compute = re.search(r"validation loss at equal compute \(the native run's FLOPs\)\s+([\d.]+)\s+([\d.]+)", out)
+    assert compute and compute.group(1) == val.group(2) and compute.group(2) != val.group(3)
+    cosine = float(re.search(r"cosine of ΔW to the native adapter \(routed: its last step\)\s+1\s+(-?[\d.]+)", out).group(1))
     assert -1.0 <= cosine < 1.0  # routed steps trained a different adapter
-    assert "12 train forwards" in out and "token histogram" in out
+    assert "token histogram" in out
 
 
 def test_validation_points_leave_the_run_and_the_global_generators_as_they_were():

@@ -1,12 +1,15 @@
 """``python -m downscale_plugin demo``: the embedded default, end to end on the CPU.
 
-Pretrains the lab DiT if it is not cached, then LoRA fine-tunes it twice from the same seed and
-data order — natively, and with the plugin routing σ-windowed steps to smaller grids through the
-same host hook sd-scripts runs — and prints one table: wall time saved, the FLOP model's
-prediction, realized vs predicted route fractions, native-grid validation loss of both adapters,
-and the cosine between their weight deltas. A PNG shows what a user decides by: each adapter's
-native-grid validation loss against the training seconds spent (a routed step's train loss is
-measured at another grid, so train-loss curves do not compare), and the route timeline.
+Pretrains the lab DiT if it is not cached, then LoRA fine-tunes it twice as twins
+(``hosts/lab/twin.py``: same seed, data order, σ draws and noise) — natively, and with the plugin
+routing σ-windowed steps to smaller grids through the same host hook sd-scripts runs. The routed
+twin keeps training past the native step count until it has spent the native run's training FLOPs,
+so the table compares the adapters where a user decides: at equal steps and at equal compute. It
+prints wall time saved, the FLOP model's prediction, realized vs predicted route fractions, the
+native-grid validation loss of both adapters at equal steps and at equal compute, and the cosine
+between their weight deltas. A PNG shows each adapter's native-grid validation loss against the
+training FLOPs spent (a routed step's train loss is measured at another grid, so train-loss curves
+do not compare), and the route timeline.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from typing import TYPE_CHECKING
 
 from ...cli import fail
 from ...config import ConfigError, DownscaleConfig, load_config, read_plugin_toml
+from .quality import value_at
 
 if TYPE_CHECKING:  # the lab's dependencies (diffusers, peft) load only when the demo runs
     from ...lab.trainer import LoraResult
@@ -50,27 +54,58 @@ QUICK = DemoSettings(steps=16, rank=4, quick=True, val_points=3)
 
 @dataclass
 class DemoResult:
+    """Both twins; ``*_flops``: cumulative training FLOPs after each step (the FLOP model's)."""
+
     settings: DemoSettings
     config: DownscaleConfig
     native: LoraResult
     routed: LoraResult
     plugin: LabPlugin
-    val_base: float
-    val_native: float
-    val_routed: float
-    cosine: float
+    native_flops: list[float]
+    routed_flops: list[float]
+    cosine: float  # the routed adapter at its last step (past equal compute) to the native one
+
+    @property
+    def val_base(self) -> float:
+        return self.native.val_curve[0][2]  # before the first step: the base model's loss
+
+    @property
+    def val_native(self) -> float:
+        return self.native.val_curve[-1][2]
+
+    @property
+    def val_routed(self) -> float:
+        """The routed twin at the native run's step count (equal steps)."""
+        return next(loss for _, steps, loss in self.routed.val_curve if steps == self.settings.steps)
+
+    def routed_curve(self, column: int) -> tuple[list[float], list[float]]:
+        """(training FLOPs, ``column`` of the routed val curve: 0 seconds, 2 loss) at each validation point."""
+        return [self.routed_flops[steps - 1] if steps else 0.0 for _, steps, _ in self.routed.val_curve], [
+            row[column] for row in self.routed.val_curve
+        ]
+
+    @property
+    def val_routed_compute(self) -> float | None:
+        """The routed twin's loss read off (linearly) at the native run's FLOPs: equal compute."""
+        return value_at(*self.routed_curve(2), self.native_flops[-1])
+
+    @property
+    def seconds_routed_compute(self) -> float | None:
+        return value_at(*self.routed_curve(0), self.native_flops[-1])
 
     @property
     def wall_saved(self) -> float:
-        return 1.0 - self.routed.wall_time / self.native.wall_time
+        """At equal steps: the routed twin's seconds for the native run's steps."""
+        return 1.0 - sum(self.routed.step_times[: self.settings.steps]) / self.native.wall_time
 
 
 def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, progress: bool = True) -> DemoResult:
     from ...lab.data import LabData, LabDataConfig
     from ...lab.model import LabModelConfig
     from ...lab.pretrain import load_or_pretrain
-    from ...lab.trainer import delta_cosine, native_validation_loss, train_lora
+    from ...lab.trainer import delta_cosine, lab_args, native_validation_loss, train_lora
     from .adapter import LabPlugin
+    from .twin import TwinRun, equal_compute_steps, planned_saving
 
     model_cfg = LabModelConfig()
     data = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
@@ -89,18 +124,21 @@ def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, prog
     )
     val_set = data.validation_set(per_bucket=2, seed=settings.seed)
     common["validate"] = lambda deltas: native_validation_loss(model, deltas, val_set, settings.seed)
-    common["validate_every"] = max(1, settings.steps // settings.val_points)
-    native = train_lora(**common, on_step=_progress("native", settings.steps, progress))
-    routed = train_lora(**common, on_step=_progress("plugin", settings.steps, progress), hook_installer=plugin.installer)
+    every = max(1, settings.steps // settings.val_points)
+    common["validate_at"] = {*range(every, settings.steps + 1, every), settings.steps}  # and each run's last step
+    routed_steps = equal_compute_steps(settings.steps, planned_saving(plugin, lab_args(**DEMO_SAMPLING), settings.steps))
+    twins = TwinRun(settings.seed, plugin.flop_model, settings.batch_size), TwinRun(settings.seed, plugin.flop_model, settings.batch_size)
+    native = train_lora(**common, step_scope=twins[0], on_step=_progress("native", settings.steps, progress))
+    common["steps"] = routed_steps
+    routed = train_lora(**common, step_scope=twins[1], on_step=_progress("plugin", routed_steps, progress), hook_installer=plugin.installer)
     return DemoResult(
         settings=settings,
         config=config,
         native=native,
         routed=routed,
         plugin=plugin,
-        val_base=native.val_curve[0][2],  # before the first step: the base model's loss
-        val_native=native.val_curve[-1][2],
-        val_routed=routed.val_curve[-1][2],
+        native_flops=twins[0].flops()[0],
+        routed_flops=twins[1].flops(plugin)[0],
         cosine=delta_cosine(native.deltas, routed.deltas),
     )
 
@@ -124,18 +162,31 @@ def _progress(name: str, steps: int, enabled: bool):
 def format_result(r: DemoResult) -> str:
     acc, plan = r.plugin.accounting, r.plugin.plan
     s = r.settings
+    routed_steps = len(r.routed.losses)
+    at_compute, seconds = r.val_routed_compute, r.seconds_routed_compute
     rows = [
-        ("steps (batch size)", f"{s.steps} ({s.batch_size})", f"{s.steps} ({s.batch_size})"),
-        ("wall seconds (fwd+bwd+opt)", f"{r.native.wall_time:.1f}", f"{r.routed.wall_time:.1f}"),
-        ("wall saved", "", f"{100 * r.wall_saved:.1f} %"),
+        ("steps (batch size)", f"{s.steps} ({s.batch_size})", f"{s.steps} + {routed_steps - s.steps} ({s.batch_size})"),
+        (
+            "wall seconds (fwd+bwd+opt) for the native run's steps",
+            f"{r.native.wall_time:.1f}",
+            f"{sum(r.routed.step_times[: s.steps]):.1f}",
+        ),
+        ("wall saved at equal steps", "", f"{100 * r.wall_saved:.1f} %"),
         ("FLOP-model saving: realized / predicted", "", f"{100 * acc.flop_saving():.1f} % / {100 * plan.flop_saving:.1f} %"),
     ]
     fractions = acc.fractions()
     for i, rule in enumerate(r.config.routes):
         rows.append((f"route r{i} {rule.label} {rule.window_text()}: realized / predicted", "", _pair(fractions[i], plan.probs[i])))
     rows.append(("native steps: realized / predicted", "100.0 %", _pair(fractions[-1], plan.probs[-1])))
-    rows.append((f"native-grid validation loss (base {r.val_base:.4f})", f"{r.val_native:.4f}", f"{r.val_routed:.4f}"))
-    rows.append(("cosine of ΔW to the native adapter", "1", f"{r.cosine:.3f}"))
+    rows.append((f"native-grid validation loss at equal steps (base {r.val_base:.4f})", f"{r.val_native:.4f}", f"{r.val_routed:.4f}"))
+    rows.append((
+        "native-grid validation loss at equal compute (the native run's FLOPs)",
+        f"{r.val_native:.4f}",
+        "not reached" if at_compute is None else f"{at_compute:.4f}",
+    ))  # fmt: skip
+    if seconds is not None:
+        rows.append(("wall seconds at equal compute", f"{r.native.wall_time:.1f}", f"{seconds:.1f}"))
+    rows.append(("cosine of ΔW to the native adapter (routed: its last step)", "1", f"{r.cosine:.3f}"))
     width = max(len(name) for name, _, _ in rows) + 2
     lines = [f"{'':<{width}}{'native':>12}{'plugin':>20}"]
     lines += [f"{name:<{width}}{a:>12}{b:>20}" for name, a, b in rows]
@@ -147,19 +198,23 @@ def _pair(realized: float, predicted: float) -> str:
 
 
 def plot_result(r: DemoResult, path: str) -> None:
-    """Native-grid validation loss of both adapters against training seconds, and the route timeline
-    (tokens each plugin step ran at)."""
+    """Native-grid validation loss of both adapters against training FLOPs (equal compute at 1), and
+    the route timeline (tokens each plugin step ran at)."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_route) = plt.subplots(2, 1, figsize=(9, 6), gridspec_kw={"height_ratios": [2, 1]})
-    for result, name in ((r.native, "native"), (r.routed, "plugin")):
-        seconds, _, losses = zip(*result.val_curve, strict=True)
-        ax_loss.plot(seconds, losses, marker="o", markersize=3, label=f"{name}: {result.wall_time:.1f} s for {r.settings.steps} steps")
+    total = r.native_flops[-1]
+    for result, flops, name in ((r.native, r.native_flops, "native"), (r.routed, r.routed_flops, "plugin")):
+        x = [flops[steps - 1] / total if steps else 0.0 for _, steps, _ in result.val_curve]
+        losses = [loss for _, _, loss in result.val_curve]
+        label = f"{name}: {len(result.losses)} steps, {result.wall_time:.1f} s"
+        ax_loss.plot(x, losses, marker="o", markersize=3, label=label)
+    ax_loss.axvline(1.0, color="black", linewidth=0.8, linestyle="--", label="equal compute")
     ax_loss.axhline(r.val_base, color="grey", linewidth=0.8, linestyle=":", label="base model")
-    ax_loss.set_xlabel("training seconds (forward + backward + optimizer)")
+    ax_loss.set_xlabel("training FLOPs (FLOP model), as a fraction of the native run's")
     ax_loss.set_ylabel("native-grid validation loss")
     ax_loss.legend()
     labels = [f"r{i} {rule.label}" for i, rule in enumerate(r.config.routes)] + ["native"]
@@ -170,7 +225,9 @@ def plot_result(r: DemoResult, path: str) -> None:
     ax_route.set_xlabel("step")
     ax_route.set_ylabel("tokens run")
     ax_route.legend(fontsize="small", ncol=len(labels))
-    fig.suptitle(f"lab LoRA, native vs plugin: wall saved {100 * r.wall_saved:.1f} %, ΔW cosine {r.cosine:.3f}")
+    at = r.val_routed_compute
+    quality = "" if at is None else f", val. loss at equal compute {at - r.val_native:+.4f} vs native"
+    fig.suptitle(f"lab LoRA twins: wall saved {100 * r.wall_saved:.1f} % at equal steps{quality}", fontsize=10)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -377,6 +377,9 @@ def test_lab_auto_certifies_on_its_first_16_samples_then_routes(tiny_model, tiny
     assert auto.losses[:15] == native.losses[:15]  # the probes' native steps, untouched by what the certifier drew
     blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
     assert 0 < blob["cost"]["native_step_equivalents"] <= 50 and any(row["safe"] for row in blob["bins"])
-    assert plugin.auto.done.result.spent == blob["cost"]["native_step_equivalents"] and plugin.cfg.routes
+    assert plugin.auto.done.result.spent == pytest.approx(blob["cost"]["native_step_equivalents"], abs=1e-3) and plugin.cfg.routes
     routed = [t.step for t in plugin.trace if t.rule_index >= 0]
     assert routed and min(routed) >= 16 and plugin.accounting.total_steps == 100
+    short = LabPlugin.for_lab(load_config(table={**table, "certify_budget": 0.2}), TINY, tiny_data)  # 20: below one safe verdict
+    with pytest.raises(ValueError, match=r"certify_budget: 0.2 of this run's 100 single-sample passes is 20.0 .* one safe verdict costs"):
+        train_lora(tiny_model, tiny_data, **common, hook_installer=short.installer)

@@ -13,11 +13,22 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from ..arch import get_arch
 from ..bins import SigmaBins, parse_bins
 from ..config import DownscaleConfig
+from ..grid import tokens
 from ..rng import forked
 from .arms import Arm, MapBackend, latent_arm
-from .certify import BackendDraws, CertifyResult, CertifySettings, first_verdict_cost, load_tests, run_certify, settings_problems
+from .certify import (
+    BackendDraws,
+    CertifyResult,
+    CertifySettings,
+    first_verdict_cost,
+    load_tests,
+    run_certify,
+    settings_problems,
+    token_fraction,
+)
 from .certify_cli import console_table, foreign_problems, write_outputs
 from .sequential import Looks
 
@@ -45,6 +56,21 @@ def in_run_setup(cfg: DownscaleConfig, passes: int, seed: int) -> InRunSetup:
     )
     problems = [f"{'map' if p.startswith('margin') else 'certify'}_{p}" for p in settings_problems(settings)]
     return InRunSetup([latent_arm(r) for r in cfg.map.ratios], parse_bins(cfg.map.bins), settings, problems)
+
+
+def pass_costs(flop_model: Any, arch: str | None) -> Callable[[tuple[int, ...], tuple[int, ...]], float]:
+    """A route pass's cost in native passes, (small latent shape, native latent shape) → F(small)/F(native) under
+    the run's FLOP model (a video latent (B, C, F, H, W): every frame's tokens), so that the budget, the
+    certification and the routed steps' saving are one unit; the token fraction without a model or arch."""
+    if flop_model is None or arch is None:
+        return token_fraction
+    spec = get_arch(arch)
+
+    def fraction(small: tuple[int, ...], native: tuple[int, ...]) -> float:
+        frames = native[-3] if len(native) == 5 else 1
+        return flop_model.flops(frames * tokens(small[-2:], spec)) / flop_model.flops(frames * tokens(native[-2:], spec))
+
+    return fraction
 
 
 def budget_problem(cfg: DownscaleConfig, settings: CertifySettings, passes: int, fractions: Sequence[float]) -> str | None:

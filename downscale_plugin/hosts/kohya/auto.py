@@ -35,7 +35,7 @@ import torch
 
 from ...arch import get_arch
 from ...config import load_config
-from ...grid import target_grid, tokens
+from ...grid import target_grid
 from ...plan import format_plan
 from ...rng import plugin_logger
 from ...text import pct, route_rows
@@ -100,12 +100,9 @@ class AutoSession(ProbeSession):
     def pass_fraction(self, small: tuple[int, ...], native: tuple[int, ...]) -> float:
         """A pass on the ``small`` latent grid (…, h, w) in native passes under the run's FLOP model (its token
         fraction without one): the unit of the budget, the certification's cost and the run's saving alike."""
-        model = self.run.totals.flop_model
-        if model is None:
-            return (small[-2] * small[-1]) / (native[-2] * native[-1])
-        spec = get_arch(self.run.arch)
-        frames = native[-3] if len(native) == 5 else 1  # a video latent (B, C, F, H, W): every frame's tokens
-        return model.flops(frames * tokens(small[-2:], spec)) / model.flops(frames * tokens(native[-2:], spec))
+        from ...mapping.in_run import pass_costs
+
+        return pass_costs(self.run.totals.flop_model, self.run.arch)(small, native)
 
     def _prior_problems(self, path: str) -> list[str]:
         """A resumed ``certify.json`` continues a confidence sequence only under the same settings, model and arch."""

@@ -19,9 +19,12 @@ from typing import TYPE_CHECKING, Any
 import toml
 
 from ... import __version__
+from ...arch import get_arch
 from ...config import load_config
+from ...grid import target_grid
 from ...scope import Patches
 from ..kohya.backend import ProbeBackend
+from ..kohya.probes import probe_identity
 from ..sd_scripts.map import MapHook
 from ..sd_scripts.map_backend import split_batch
 
@@ -34,18 +37,26 @@ class LabAutoSession:
     """One lab ``auto`` run: probe collection, the certification, the switch to its windows."""
 
     def __init__(self, plugin: LabPlugin, args: argparse.Namespace, seed: int):
-        from ...mapping.in_run import in_run_setup
+        from ...mapping.in_run import budget_problem, in_run_setup, pass_costs
 
         cfg = plugin.cfg
-        setup = in_run_setup(cfg, args.max_train_steps * args.gradient_accumulation_steps * plugin.batch_size, seed)
+        passes = args.max_train_steps * args.gradient_accumulation_steps * plugin.batch_size
+        setup = in_run_setup(cfg, passes, seed)
         self.plugin, self.args, self.images = plugin, args, setup.settings.looks.last
         self.routes, self.bins, self.settings = setup.routes, setup.bins, setup.settings
+        self.fraction = pass_costs(plugin.flop_model, cfg.arch)  # the run's FLOP unit, as the kohya hosts count
         problems = list(setup.problems)
         if cfg.arch is None:
             problems.append('arch: mode = "auto" on the lab needs an arch (e.g. "flux"): the windows name tiers at its VAE factor')
+        else:
+            native, spec = plugin.buckets[0], get_arch(cfg.arch)
+            smalls = [target_grid(native, arm.ratio, spec) for arm in self.routes]
+            if all(smalls):
+                problems += filter(None, [budget_problem(cfg, self.settings, passes, [self.fraction(s, native) for s in smalls])])
         if problems:
             raise ValueError('mode = "auto":\n  - ' + "\n  - ".join(problems))
         self.probes: list[dict[str, Any]] = []
+        self.seen: set[str] = set()  # probe_identity of every probe taken: a repeat is no new probe
         self.batches = 0
         self.done: InRunCertification | None = None
 
@@ -60,7 +71,11 @@ class LabAutoSession:
             call.apply_defaults()
             if call.arguments["is_train"]:
                 self.batches += 1
-                self.probes += split_batch(call.arguments["batch"])
+                for probe in split_batch(call.arguments["batch"]):
+                    key = probe_identity(probe)
+                    if key not in self.seen:
+                        self.probes.append(probe)
+                        self.seen.update([key] if key is not None else [])
                 if len(self.probes) >= self.images:
                     own.undo()
                     self.certify(trainer, hook, call.arguments)
@@ -91,6 +106,14 @@ class LabAutoSession:
         command = f"lab train_lora (mode = auto, before train batch {self.batches})"
         out = os.path.abspath(cfg.map.out)
         self.done = certify_in_run(
-            backend, self.routes, self.bins, self.settings, lambda lo, hi: sampler.mass(lo, hi, hw) if hi > lo else 0.0, text, out, command
+            backend,
+            self.routes,
+            self.bins,
+            self.settings,
+            lambda lo, hi: sampler.mass(lo, hi, hw) if hi > lo else 0.0,
+            text,
+            out,
+            command,
+            fraction=self.fraction,
         )
         self.plugin.retarget(load_config(plugin_toml=toml.load(self.done.windows_toml)).routes, hook)

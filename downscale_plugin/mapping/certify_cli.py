@@ -271,13 +271,15 @@ def _cell(t: Any) -> str:
 
 
 def console_table(result: Any, source: Any) -> str:
-    """Bins from σ = 1 down, routes across: verdict, mean estimate, anytime-valid upper bound, images."""
+    """Bins from σ = 1 down, routes across: verdict, mean estimate, upper bound, images; spot checks and scope."""
+    from .certify import scope_text
+
     s = result.settings
     width = 30
     head = f"{'σ bin':<16}" + "".join(f"{a.name:>{width}}" for a in result.routes)
     lines = [
-        f"certify: paired U-statistic excess, mean ≤ anytime-valid {100 * (1 - s.looks.alpha):g}% UB (looks {list(s.looks.at)}, "
-        f"safe from {s.looks.first_safe}), "
+        f"certify: paired U-statistic excess, mean ≤ one-sided t UB (looks {list(s.looks.at)}; safe read on {s.looks.first_safe} "
+        f"probes at level {s.looks.safe_level:g}, α = {s.looks.alpha:g} for skewed excess), "
         f"ε = {s.margin:g}, D = {s.draws}",
         head,
         "-" * len(head),
@@ -291,6 +293,7 @@ def console_table(result: Any, source: Any) -> str:
         f"cost: {cost['native_step_equivalents']:.1f} native-step equivalents (budget {s.budget:g}); the full map on the same grids "
         f"({cost['full_map']}): {cost['full_map_native_step_equivalents']:.0f}, i.e. {100 * cost['fraction_of_full_map']:.1f} %",
     ]
+    lines += [result.spot_text(), scope_text(result.provenance.get("backend", {}))]
     lines += [f"note: {n}" for n in result.notes]
     return "\n".join(lines)
 

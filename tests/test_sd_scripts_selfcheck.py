@@ -135,6 +135,12 @@ def test_a_script_of_another_host_is_left_alone():
     assert command_line_drift(["wan_train_network.py", "--network_module", "downscale_plugin"]) == []
 
 
+@pytest.mark.parametrize("options", [(), ("--multires_noise_iterations", "3", "--noise_offset", "0.1", "--noise_offset_random_strength")])
+def test_sd_noise_options_that_draw_python_random_pass_the_preamble_check(options):
+    """SD1/SDXL's multires noise draws Python's random before σ: both sides of the check start from the same state."""
+    run_double("sdxl", "--resolution", RES, "--max_train_steps", "2", *options, downscale=ROUTED)
+
+
 @pytest.mark.parametrize("arch", ["flux", "sdxl"])
 def test_a_trainer_drawing_before_its_sigma_draw_is_refused(arch):
     """The trainer's step drawing once more before its σ draw (the dry run would predict another σ)."""

@@ -33,7 +33,7 @@ from typing import Any
 import torch
 
 from ...fasterdit.positions import continuous_rope
-from ...rng import seed_forked
+from ...rng import forked, seed_forked
 from ...scope import swap_attr
 from ...sigma import ddpm_alphas_cumprod, ddpm_law
 from ..kohya.selfcheck import SEED, Piece, refuse_drift, same
@@ -215,8 +215,8 @@ def _preamble(trainer: Any, family: SamplerFamily, args: Any, scheduler: Any) ->
             seen.append(torch.get_rng_state())
             raise _Reached
 
-        _seeded()
-        with swap_attr(family.module, slot, stop):
+        with forked(), swap_attr(family.module, slot, stop):  # each side from the same Python random (multires noise draws it)
+            _seeded()
             try:
                 call()
             except _Reached:

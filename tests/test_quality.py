@@ -89,9 +89,9 @@ def test_twin_step_hands_the_native_draw_or_its_paired_transform() -> None:
     with twin_step(5, 7, batch):
         small = torch.randn_like(torch.zeros(2, 4, 12, 18))
     assert torch.equal(small, coupled_small_noise(expected, (12, 18)))
-    with twin_step(5, 8, batch):
-        other = torch.randn_like(batch["latents"])
-    assert not torch.equal(other, native)
+    for seed, step in ((5, 8), (6, 7)):  # another step, another training seed: another stream
+        with twin_step(seed, step, batch):
+            assert not torch.equal(torch.randn_like(batch["latents"]), native)
 
 
 def test_twin_small_noise_is_unit_white_noise() -> None:

@@ -20,6 +20,7 @@ import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
+import numpy as np
 import torch
 
 from ...flops import FlopModel
@@ -30,10 +31,12 @@ from .adapter import LabPlugin, lab_sampler
 
 
 def step_seed(seed: int, micro_step: int) -> int:
-    """The global generator's seed for one micro-step of a twin run (distinct per (seed, step))."""
+    """The global generator's seed for one micro-step of a twin run: (seed, step) hashed to 32 bits,
+    since torch's CPU generator keeps only a seed's low 32 bits (a seed in the high bits would give
+    every training seed the same noise stream)."""
     if seed < 0 or micro_step < 0:
         raise ValueError(f"seed and micro_step must be >= 0 (got {seed}, {micro_step})")
-    return (seed << 32) + micro_step
+    return int(np.random.SeedSequence([seed, micro_step]).generate_state(1)[0])
 
 
 @contextmanager

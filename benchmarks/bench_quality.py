@@ -330,7 +330,7 @@ def plot(runs: dict[tuple[str, int], dict[str, Any]], summary: dict[str, Any], p
     ax_diff.set_xlabel("training FLOPs, as a fraction of the native run's")
     ax_abs.legend(fontsize="small")
     ax_diff.legend(fontsize="small", ncol=2)
-    fig.suptitle(title, fontsize=10)
+    fig.suptitle(title.replace("; twins", ";\ntwins"), fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -345,9 +345,15 @@ def _iv(d: dict[str, float] | None, digits: int = 5) -> str:
 
 
 def report(summary: dict[str, Any], header: str) -> str:
+    """The markdown tables: savings and read-offs per arm, then the map's excess beside the cost."""
+    improvement = summary.get("native_improvement")
     rows = ["| arm | seeds | routed share | FLOP saving (per step) | CPU-time saving (per step) | equal steps: arm − native [95 % CI] | "
             "equal compute: arm − native [95 % CI] | steps to equal compute | CPU time at equal compute / native | var. ratio independent / twin |",
             "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+    criteria = [
+        "| arm | map: largest UB routed in | map: mean excess per step | equal-steps cost, % of the native improvement |",
+        "|---|---|---|---|",
+    ]
     for arm, e in summary["arms"].items():
         vr = e["variance_ratio_unpaired_over_twin"]
         cpu = e["cpu_at_equal_compute_vs_native"]
@@ -356,10 +362,13 @@ def report(summary: dict[str, Any], header: str) -> str:
             f"{_iv(e['equal_steps'])} | {_iv(e['equal_compute'])} | {e['steps_to_equal_compute']:.0f} | "
             f"{'n/a' if cpu is None else f'{cpu:.2f}'} | {'n/a' if vr is None else f'{vr:.0f}×'} |"
         )
+        if "map_max_ub" in e:
+            share = "n/a" if not improvement else f"{100 * e['equal_steps']['mean'] / improvement:.0f} %"
+            criteria.append(f"| {arm} | {e['map_max_ub']:.3f} | {e['map_mean_excess']:.4f} | {share} |")
     lines = [header, ""]
-    if summary.get("base_val") is not None and summary.get("native_improvement") is not None:
-        lines.append(f"base model {summary['base_val']:.5f}; native improvement over base {summary['native_improvement']:.5f}")
-    return "\n".join([*lines, "", *rows])
+    if summary.get("base_val") is not None and improvement is not None:
+        lines.append(f"base model {summary['base_val']:.5f}; native improvement over base {improvement:.5f}")
+    return "\n".join([*lines, "", *rows, "", *criteria])
 
 
 def load_runs(out: Path, settings: dict[str, Any], other: bool = False) -> dict[tuple[str, int], dict[str, Any]]:
@@ -436,6 +445,7 @@ def work(args: argparse.Namespace) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(blob, indent=1))
         os.replace(tmp, path)
+        path.with_suffix(".claim").unlink()
         print(f"{arm} seed {seed}: {blob['steps_run']} steps, CPU {blob['cpu_s_total']:.0f} s (training {blob['curve'][-1]['cpu_s']:.0f} s), "
               f"wall {time.perf_counter() - t0:.0f} s, val at {args.steps} steps {val_at_step(blob, args.steps):.5f}", flush=True)  # fmt: skip
 

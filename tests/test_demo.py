@@ -27,6 +27,11 @@ def test_demo_quick_trains_both_adapters_and_reports(tmp_path, monkeypatch, caps
     assert "token histogram" in out
 
 
+def test_demo_refuses_two_routers_before_any_model(capsys):
+    assert main(["demo", "--quick", "--seed_recipe", "--config", "missing.toml"]) != 0
+    assert "--config and --seed_recipe" in capsys.readouterr().err
+
+
 def test_validation_points_leave_the_run_and_the_global_generators_as_they_were():
     """The demo's picture: native-grid validation loss against training seconds. Validating between
     steps must change nothing the table reports but time: the same losses, the same adapter, the same

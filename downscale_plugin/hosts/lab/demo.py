@@ -1,6 +1,9 @@
 """``python -m downscale_plugin demo``: the embedded default, end to end on the CPU.
 
-Pretrains the lab DiT if it is not cached, then LoRA fine-tunes it twice as twins
+The router is the lab map's certified windows at ε = 0.05 under the lab trainer's own σ sampler
+(``--seed_recipe``: the seed paper's uncertified recipe and sampler, the former default, which on
+the lab costs quality; docs/FIDELITY.md §10). Pretrains the lab DiT if it is not cached, then LoRA
+fine-tunes it twice as twins
 (``hosts/lab/twin.py``: same seed, data order, σ draws and noise) — natively, and with the plugin
 routing σ-windowed steps to smaller grids through the same host hook sd-scripts runs. The routed
 twin keeps training past the native step count until it has spent the native run's training FLOPs,
@@ -27,13 +30,23 @@ if TYPE_CHECKING:  # the lab's dependencies (diffusers, peft) load only when the
     from ...lab.trainer import LoraResult
     from .adapter import LabPlugin
 
-# The seed paper's stacked recipe, in lab pixels: a 0.75 route inside a window, a 0.875 route above
-# σ 0.5. Not certified for this model: `python -m downscale_plugin map --lab` measures that.
+# The default: the lab map's windows at ε = 0.05 (docs/fidelity/quality/windows_eps0.05.toml, from
+# docs/fidelity/lab_n64_d8_n16/map.json), under the lab trainer's own σ sampler (sd-scripts'
+# recommended Flux recipe, shift 3.1582). Tiers count lab latents at Flux's 8 px per cell, as the map
+# writes them: the 512 px tier is every lab bucket. On the lab their quality cost is within the
+# seed lottery; they save little (docs/FIDELITY.md §10).
+DEMO_WINDOWS = {
+    "arch": "flux",
+    "routes": [{"route": "512:384", "sigma_min": 0.975, "sigma_max": 1.0}, {"route": "512:448", "sigma_min": 0.925}],
+}
+# `--seed_recipe`, the demo's former default: the seed paper's stacked recipe in lab pixels (a 0.75
+# route inside a window, a 0.875 route above σ 0.5), uncertified for the lab model. At equal steps
+# it loses most of the native run's improvement there (docs/FIDELITY.md §10).
 DEMO_ROUTES = (
     {"route": "256:192", "sigma_min": 0.65, "sigma_max": 0.95},
     {"route": "256:224", "sigma_min": 0.5},
 )
-# The seed paper's σ sampler: logit-normal(0, 1), no shift.
+# The seed paper's σ sampler (with --seed_recipe): logit-normal(0, 1), no shift.
 DEMO_SAMPLING = {"timestep_sampling": "sigmoid", "sigmoid_scale": 1.0}
 
 
@@ -45,6 +58,7 @@ class DemoSettings:
     lr: float = 2e-3
     seed: int = 0
     quick: bool = False
+    seed_recipe: bool = False  # the seed paper's routes and σ sampler instead of the certified windows
     val_points: int = 12  # the picture's validation points per run, besides the one before the first step
 
 
@@ -110,7 +124,8 @@ def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, prog
     model_cfg = LabModelConfig()
     data = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
     model = load_or_pretrain(model_cfg, quick=settings.quick, progress=progress, data=data)
-    config = config or load_config(table={"routes": list(DEMO_ROUTES)})
+    config = config or load_config(table={"routes": list(DEMO_ROUTES)} if settings.seed_recipe else DEMO_WINDOWS)
+    sampling = DEMO_SAMPLING if settings.seed_recipe else {}
     plugin = LabPlugin.for_lab(config, model_cfg, data, settings.batch_size)
     common = dict(
         model=model,
@@ -119,14 +134,14 @@ def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, prog
         lr=settings.lr,
         rank=settings.rank,
         seed=settings.seed,
-        args_overrides=DEMO_SAMPLING,
+        args_overrides=sampling,
         batch_size=settings.batch_size,
     )
     val_set = data.validation_set(per_bucket=2, seed=settings.seed)
     common["validate"] = lambda deltas: native_validation_loss(model, deltas, val_set, settings.seed)
     every = max(1, settings.steps // settings.val_points)
     common["validate_at"] = {*range(every, settings.steps + 1, every), settings.steps}  # and each run's last step
-    routed_steps = equal_compute_steps(settings.steps, planned_saving(plugin, lab_args(**DEMO_SAMPLING), settings.steps))
+    routed_steps = equal_compute_steps(settings.steps, planned_saving(plugin, lab_args(**sampling), settings.steps))
     twins = TwinRun(settings.seed, plugin.flop_model, settings.batch_size), TwinRun(settings.seed, plugin.flop_model, settings.batch_size)
     native = train_lora(**common, step_scope=twins[0], on_step=_progress("native", settings.steps, progress))
     common["steps"] = routed_steps
@@ -238,7 +253,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--steps", type=int, help=f"fine-tune steps per run (default {DemoSettings.steps}, quick {QUICK.steps})")
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--config", metavar="PLUGIN_TOML", help="plugin TOML with routes in lab pixels (default: the seed paper's recipe)")
+    parser.add_argument(
+        "--config", metavar="PLUGIN_TOML", help="plugin TOML with routes in lab pixels (default: the lab map's windows at ε = 0.05)"
+    )
+    parser.add_argument(
+        "--seed_recipe",
+        action="store_true",
+        help="the seed paper's uncertified recipe (its routes and logit-normal σ sampler); on the lab it costs quality",
+    )
     parser.add_argument("--out", default="downscale_demo.png", help="PNG with loss curves and the route timeline")
     parser.add_argument("--no-progress", dest="progress", action="store_false")
 
@@ -248,12 +270,21 @@ def run(args: argparse.Namespace) -> int:
     steps = base.steps if args.steps is None else args.steps
     if steps < 1 or args.batch_size < 1:
         return fail([f"--steps and --batch_size must be >= 1 (got {steps}, {args.batch_size})"])
+    if args.config and args.seed_recipe:
+        return fail(["--config and --seed_recipe: give one (--seed_recipe is a router of its own)"])
     try:
         config = load_config(plugin_toml=read_plugin_toml(args.config)) if args.config else None
     except ConfigError as err:
         return fail(err.problems)
     settings = DemoSettings(
-        steps=steps, batch_size=args.batch_size, rank=base.rank, lr=base.lr, seed=args.seed, quick=args.quick, val_points=base.val_points
+        steps=steps,
+        batch_size=args.batch_size,
+        rank=base.rank,
+        lr=base.lr,
+        seed=args.seed,
+        quick=args.quick,
+        seed_recipe=args.seed_recipe,
+        val_points=base.val_points,
     )
     start = time.perf_counter()
     result = run_demo(settings, config, progress=args.progress)

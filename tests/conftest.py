@@ -1,4 +1,4 @@
-"""Fixtures shared by the test modules that run the plugin inside the sd-scripts host doubles.
+"""Fixtures shared by the test modules that run the plugin inside the sd-scripts host doubles, and the run's torch threads.
 
 Not autouse: a module opts in with ``pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")``.
 """
@@ -10,6 +10,12 @@ import torch
 from host_modules import host_modules
 
 from downscale_plugin.hosts.sd_scripts import start as sd_scripts_start
+
+
+def pytest_configure(config):
+    """One torch thread for the whole run: every model here is tiny, and beside another CPU-bound job torch's threads
+    spin waiting for each other (the lab's auto test took 277 s instead of 4 beside other jobs on 2 cores)."""
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

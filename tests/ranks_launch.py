@@ -17,13 +17,6 @@ from collections.abc import Sequence
 from pathlib import Path
 
 
-def file_rendezvous(folder: Path) -> str:
-    """A process group's ``init_method`` through a file in ``folder`` (fresh per group). A port picked in advance
-    (bind 0, close, pass it on) is free only until rank 0 binds it, after its process has started and imported
-    torch: seconds on a loaded machine, in which any other job may take it and fail the test."""
-    return f"file://{folder / 'rendezvous'}"
-
-
 def free_port() -> int:
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

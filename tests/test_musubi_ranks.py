@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 from pathlib import Path
 
@@ -21,7 +22,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from ranks_launch import file_rendezvous
 from safetensors import safe_open
 
 from downscale_plugin.hosts.kohya.run import COUNTS_FILE
@@ -29,15 +29,21 @@ from downscale_plugin.hosts.kohya.run import COUNTS_FILE
 DOUBLES = str(Path(__file__).parent / "doubles")
 
 
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 def _spawn(main, tmp_path: Path) -> tuple[dict, dict]:
-    mp.spawn(main, args=(2, file_rendezvous(tmp_path), str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
     return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
 
-def _init(rank: int, world: int, init_method: str) -> None:
+def _init(rank: int, world: int, port: int) -> None:
     torch.set_num_threads(1)
     sys.path.insert(0, DOUBLES)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
 
 
 def _train(cls, *argv: str, downscale: dict, trainer=None):
@@ -57,8 +63,8 @@ def _mine(rank: int) -> tuple[str, ...]:
 # -- every step the same route on both ranks ---------------------------------------------------------
 
 
-def _route_rank(rank: int, world: int, init_method: str, out_dir: str) -> None:
-    _init(rank, world, init_method)
+def _route_rank(rank: int, world: int, port: int, out_dir: str) -> None:
+    _init(rank, world, port)
     try:
         import musubi_trainers
 
@@ -119,9 +125,9 @@ def test_two_gloo_ranks_route_identically_every_step(tmp_path):
 RESUMED = {"routes": [{"scale": 0.5, "sigma_min": 0.5}]}
 
 
-def _resume_rank(rank: int, world: int, init_method: str, out_dir: str) -> None:
+def _resume_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """A run that saves its state at step 4 (main process), then both ranks resume from it."""
-    _init(rank, world, init_method)
+    _init(rank, world, port)
     try:
         import musubi_trainers
 
@@ -200,11 +206,11 @@ def test_a_state_saved_on_two_ranks_resumes_on_one_process_at_the_same_forward(r
 # -- ranks on different buckets ------------------------------------------------------------------------
 
 
-def _bucket_rank(rank: int, world: int, init_method: str, out_dir: str) -> None:
+def _bucket_rank(rank: int, world: int, port: int, out_dir: str) -> None:
     """Both ranks hold the same two buckets (the same token vocabulary, as every rank of a musubi-tuner run builds
     the whole dataset group); each rank's seed shuffles its batch order, so on some steps the ranks are on
     different buckets, where flux_shift's μ (from the latent size) gives them different route odds."""
-    _init(rank, world, init_method)
+    _init(rank, world, port)
     try:
         import musubi_trainers
 

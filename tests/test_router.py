@@ -594,13 +594,13 @@ def test_ranks_on_different_buckets_agree_as_the_shared_uniform_allows():
         assert all(bool(in_category(d.sigmas, d.rule_index, STACK).all()) for d in decisions)
 
 
-def _gloo_rank(rank: int, init_method: str, steps: int, out_dir: str) -> None:
+def _gloo_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from downscale_plugin.accounting import Accounting, StepRecord
 
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=2)
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     try:
         hw = (HW, WIDE_HW)[rank]
         accounting = Accounting(STACK, token_values=Accounting.vocabulary([HW, WIDE_HW], STACK, "flux", 0.1))
@@ -623,11 +623,15 @@ def _gloo_rank(rank: int, init_method: str, steps: int, out_dir: str) -> None:
 
 
 def test_two_gloo_ranks_on_different_buckets_count_their_disagreements(tmp_path):
-    import torch.multiprocessing as mp
-    from ranks_launch import file_rendezvous
+    import socket
 
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
     steps = 1500
-    mp.spawn(_gloo_rank, args=(file_rendezvous(tmp_path), steps, str(tmp_path)), nprocs=2, join=True)
+    mp.spawn(_gloo_rank, args=(port, steps, str(tmp_path)), nprocs=2, join=True)
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     differ = sum(x != y for x, y in zip(r0["routes"], r1["routes"], strict=True))
     assert differ > 0  # 1024² and 1216×832 under flux_shift: P(c) differ, so some steps must

@@ -7,10 +7,13 @@ from __future__ import annotations
 
 import json
 
+import pytest
 import torch
-from test_musubi_real import _train_wan, musubi  # noqa: F401  # the fixture: musubi-tuner's modules
+from test_musubi_real import MUSUBI_DIR, _train_wan, musubi  # noqa: F401  # the fixture: musubi-tuner's modules
 
 from downscale_plugin.mapping.sequential import TRIM
+
+pytestmark = pytest.mark.skipif(not MUSUBI_DIR, reason="MUSUBI_DIR (a musubi-tuner checkout) is not set")
 
 
 def test_cpu_offloaded_checkpointing_is_measured_and_leaves_the_run_bitwise(musubi, tmp_path):  # noqa: F811

@@ -51,26 +51,32 @@ FLOP_FRACTIONS = tuple(k / 8 for k in range(9))  # the picture's common x grid, 
 EXTRA = 1.1  # a routed run's steps beyond its planned equal-compute point (the realized saving scatters)
 
 
-def arm_table(name: str) -> dict[str, Any] | None:
-    """The plugin table of an arm (None: native)."""
+def arm_table(name: str, native_size: int = 64) -> dict[str, Any] | None:
+    """The plugin table of an arm (None: native) for lab buckets of ``native_size`` latent cells a side
+    (64: the lab's five buckets; 32: one 128 px square bucket, windows from the 32×32 lab map)."""
     from downscale_plugin.config import read_plugin_toml
     from downscale_plugin.hosts.lab.demo import DEMO_ROUTES
 
     if name == "native":
         return None
     if name in EPS_ARMS:
-        return read_plugin_toml(str(WINDOWS / f"windows_{name}.toml"))
+        return read_plugin_toml(str((WINDOWS if native_size == 64 else WINDOWS / f"n{native_size}") / f"windows_{name}.toml"))
     if name == "seed_recipe":
+        if native_size != 64:
+            raise ValueError("seed_recipe: its routes are for the 256 px lab buckets (native_size 64)")
         return {"routes": list(DEMO_ROUTES)}
     if name in CONTROLS:
-        ratio = float(name.removeprefix("all"))
-        return {"routes": [{"route": f"256:{round(256 * ratio)}", "sigma_min": 0.0}]}
+        ratio, side = float(name.removeprefix("all")), 4 * native_size  # lab pixels: 4 per latent cell
+        return {"routes": [{"route": f"{side}:{round(side * ratio)}", "sigma_min": 0.0}]}
     raise ValueError(f"arm: {name!r} is not an arm of the study (allowed: {', '.join(ARMS)})")
 
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     """What a run's figures depend on: a stored run is reused only under the same settings."""
-    return {k: getattr(args, k) for k in ("steps", "rank", "lr", "val_per_bucket", "val_seed", "quick", "batch_size")}
+    keys = ("steps", "rank", "lr", "val_per_bucket", "val_seed", "quick", "batch_size") + (
+        ("native_size",) if args.native_size != 64 else ()
+    )
+    return {k: getattr(args, k) for k in keys}
 
 
 def run_path(out: Path, arm: str, seed: int) -> Path:
@@ -98,7 +104,8 @@ class Lab:
         from downscale_plugin.lab.trainer import native_validation_loss
 
         self.model_cfg = LabModelConfig()
-        self.data = LabData(LabDataConfig(latent_channels=self.model_cfg.latent_channels))
+        buckets = {} if args.native_size == 64 else {"buckets": ((4 * args.native_size,) * 2,)}
+        self.data = LabData(LabDataConfig(latent_channels=self.model_cfg.latent_channels, **buckets))
         self.model = load_or_pretrain(self.model_cfg, quick=args.quick, progress=False, data=self.data)
         self.flop_model = FlopModel(*flop_shape(self.model_cfg))
         self.val_set = self.data.validation_set(per_bucket=args.val_per_bucket, seed=args.val_seed)
@@ -119,7 +126,7 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str
     from downscale_plugin.lab.trainer import lab_args, train_lora
 
     cpu_start = time.process_time()
-    table = arm_table(arm)
+    table = arm_table(arm, args.native_size)
     plugin, total, planned = None, args.steps, 0.0
     if table is not None:
         plugin = LabPlugin.for_lab(load_config(plugin_toml=table), lab.model_cfg, lab.data, args.batch_size)
@@ -392,6 +399,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--val_per_bucket", type=int, default=1, help="held-out crops per lab bucket (default 1)")
     parser.add_argument("--val_seed", type=int, default=0, help="seed of the held-out set and its noise (one for every run)")
     parser.add_argument("--quick", action="store_true", help="quick pretrain (smoke runs only)")
+    parser.add_argument(
+        "--native_size",
+        type=int,
+        default=64,
+        choices=(64, 32),
+        help="latent cells a side: 64 (the lab's buckets, 1 024 tokens) or 32 (one 128 px bucket, 256 tokens)",
+    )
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one process and one torch thread each")
     parser.add_argument("--report", action="store_true", help="only aggregate the runs already stored")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -408,6 +422,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     problems += [f"--{k} must be >= 1" for k in ("steps", "rank", "batch_size", "val_per_bucket", "jobs") if getattr(args, k) < 1]
     if args.steps % 2:
         problems.append(f"--steps must be even (validation at half of it; got {args.steps})")
+    if args.native_size != 64 and "seed_recipe" in args.arm_list:
+        problems.append("--arms: seed_recipe routes the 256 px lab buckets only (--native_size 64)")
     if problems:
         parser.error("; ".join(problems))
     return args
@@ -416,6 +432,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def _worker_command(args: argparse.Namespace) -> list[str]:
     keep = ["--arms", args.arms, "--seeds", args.seeds, "--steps", str(args.steps), "--rank", str(args.rank), "--lr", str(args.lr),
             "--batch_size", str(args.batch_size), "--val_per_bucket", str(args.val_per_bucket), "--val_seed", str(args.val_seed),
+            "--native_size", str(args.native_size),
             "--out", str(args.out)]  # fmt: skip
     return [sys.executable, __file__, *keep, *(["--quick"] if args.quick else []), "--worker"]
 
@@ -473,8 +490,11 @@ def main(argv: list[str] | None = None) -> int:
     runs = load_runs(out, settings)
     base_val = _base_val(args)
     summary = summarize({k: v for k, v in runs.items() if k[0] in args.arm_list}, args.steps, base_val)
-    header = (f"lab DiT{' (quick pretrain)' if args.quick else ''}, LoRA rank {args.rank}, lr {args.lr:g}, B = {args.batch_size}, "
-              f"native {args.steps} steps, σ sampler shift 3.1582; twins per seed; validation: {args.val_per_bucket} crop(s) × 5 buckets × "
+    size = (
+        "" if args.native_size == 64 else f", native {args.native_size}x{args.native_size} latents ({(args.native_size // 2) ** 2} tokens)"
+    )
+    header = (f"lab DiT{' (quick pretrain)' if args.quick else ''}{size}, LoRA rank {args.rank}, lr {args.lr:g}, B = {args.batch_size}, "
+              f"native {args.steps} steps, σ sampler shift 3.1582; twins per seed; validation: {args.val_per_bucket} crop(s) × {5 if args.native_size == 64 else 1} bucket(s) × "
               f"5 σ, seed {args.val_seed}; CPU seconds at one torch thread")  # fmt: skip
     summary["settings"] = settings
     summary["command"] = "python benchmarks/bench_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])

@@ -41,7 +41,7 @@ DEMO_WINDOWS = {
 }
 # `--seed_recipe`, the demo's former default: the seed paper's stacked recipe in lab pixels (a 0.75
 # route inside a window, a 0.875 route above σ 0.5), uncertified for the lab model. At equal steps
-# it loses most of the native run's improvement there (docs/FIDELITY.md §10).
+# it loses more than half of the native run's improvement there (docs/FIDELITY.md §10).
 DEMO_ROUTES = (
     {"route": "256:192", "sigma_min": 0.65, "sigma_max": 0.95},
     {"route": "256:224", "sigma_min": 0.5},

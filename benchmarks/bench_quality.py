@@ -164,17 +164,16 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str
     }
 
 
-MAPS = (ROOT / "docs" / "fidelity" / "lab_n64_d8_n16" / "map.json", ROOT / "docs" / "fidelity" / "lab_n64_d8_n16_pool" / "map.json")
-
-
-def map_rows() -> dict[float, list[dict[str, Any]]]:
-    """The lab map's bins per route ratio (0.875, 0.75 from the exact-filter map; 0.5 from the pool map)."""
+def map_rows(native_size: int = 64) -> dict[float, list[dict[str, Any]]]:
+    """The lab map's bins per route ratio at that native size (0.875, 0.75 from the exact-filter map;
+    0.5 from the pool map)."""
+    maps = [ROOT / "docs" / "fidelity" / f"lab_n{native_size}_d8_n16{tail}" / "map.json" for tail in ("", "_pool")]
     rows: dict[float, list[dict[str, Any]]] = {}
-    for path in MAPS:
+    for path in maps:
         for row in json.loads(path.read_text())["rows"]:
             if row["kind"] == "latent" and row["ratio"] not in rows:
                 rows.setdefault(row["ratio"], [])
-            if row["kind"] == "latent" and (path == MAPS[0] or row["ratio"] == 0.5):
+            if row["kind"] == "latent" and (path == maps[0] or row["ratio"] == 0.5):
                 rows[row["ratio"]].append(row)
     return rows
 
@@ -215,7 +214,7 @@ def val_at_step(run: dict[str, Any], step: int) -> float:
     raise KeyError(f"{run['arm']} seed {run['seed']}: no validation point at step {step}")
 
 
-def summarize(runs: dict[tuple[str, int], dict[str, Any]], steps: int, base_val: float | None) -> dict[str, Any]:
+def summarize(runs: dict[tuple[str, int], dict[str, Any]], steps: int, base_val: float | None, native_size: int = 64) -> dict[str, Any]:
     """Per arm: paired read-offs against the same seed's native twin (only seeds that have both)."""
     from downscale_plugin.hosts.lab.quality import paired_interval, value_at, variance_ratio
 
@@ -263,7 +262,7 @@ def summarize(runs: dict[tuple[str, int], dict[str, Any]], steps: int, base_val:
             "variance_ratio_unpaired_over_twin": variance_ratio(eq_steps, unpaired) if arm != "native" else None,
         }  # fmt: skip
         if arm != "native" and all(r.get("steps_trace") for r in rs):
-            rows = map_rows()
+            rows = map_rows(native_size)
             crit = [gradient_criteria(r, rows) for r in rs]
             entry["map_max_ub"] = max(c["max_ub"] for c in crit)
             entry["map_mean_excess"] = statistics.fmean(c["mean_excess"] for c in crit)
@@ -489,7 +488,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"bench_quality: worker exit codes {codes}", file=sys.stderr)
     runs = load_runs(out, settings)
     base_val = _base_val(args)
-    summary = summarize({k: v for k, v in runs.items() if k[0] in args.arm_list}, args.steps, base_val)
+    summary = summarize({k: v for k, v in runs.items() if k[0] in args.arm_list}, args.steps, base_val, args.native_size)
     size = (
         "" if args.native_size == 64 else f", native {args.native_size}x{args.native_size} latents ({(args.native_size // 2) ** 2} tokens)"
     )

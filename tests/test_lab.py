@@ -9,6 +9,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+pytest.importorskip("peft", reason="the lab needs the [lab] extra (a host's own environment has not)")  # before the lab imports it
+
 from downscale_plugin.lab import flux_train_utils, flux_utils
 from downscale_plugin.lab.data import LabData, LabDataConfig
 from downscale_plugin.lab.model import LabModelConfig, LabTextEncoder, build_model, flop_shape, image_tokens

@@ -14,10 +14,10 @@ from downscale_plugin.config import load_config
 from downscale_plugin.flops import FlopModel
 from downscale_plugin.hosts.lab.adapter import LabPlugin
 from downscale_plugin.hosts.lab.quality import paired_interval, value_at, variance_ratio
-from downscale_plugin.hosts.lab.twin import TwinRun, equal_compute_steps, step_seed, twin_step
+from downscale_plugin.hosts.lab.twin import TwinRun, equal_compute_steps, twin_step
 from downscale_plugin.lab.data import LabData, LabDataConfig
 from downscale_plugin.lab.model import LabModelConfig, build_model, flop_shape
-from downscale_plugin.lab.trainer import train_lora
+from downscale_plugin.lab.trainer import step_seed, train_lora
 from downscale_plugin.mapping.paired import coupled_small_noise
 
 TINY = LabModelConfig(hidden_size=32, num_heads=2, double_layers=1, single_layers=1, latent_channels=4,

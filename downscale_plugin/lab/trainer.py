@@ -22,6 +22,7 @@ from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from diffusers import FlowMatchEulerDiscreteScheduler
@@ -257,6 +258,22 @@ class LoraResult:
     @property
     def wall_time(self) -> float:
         return sum(self.step_times)
+
+
+def step_seed(seed: int, micro_step: int) -> int:
+    """The CPU generator's seed for one micro-step of a twin run (``hosts/lab/twin.py``): (seed, step) hashed to 32 bits,
+    since torch's CPU generator keeps only a seed's low 32 bits (a seed in the high bits would give
+    every training seed the same noise stream)."""
+    if seed < 0 or micro_step < 0:
+        raise ValueError(f"seed and micro_step must be >= 0 (got {seed}, {micro_step})")
+    return int(np.random.SeedSequence([seed, micro_step]).generate_state(1)[0])
+
+
+def seed_micro_step(seed: int, micro_step: int) -> None:
+    """Start one micro-step from its own state of the lab trainer's CPU stream, whatever the steps
+    before drew: the trainer seeds its own generator here, as it does for ``seed`` at the start of a
+    run (a host's seeding, which the plugin never does in a host's run: ``rng.py``)."""
+    torch.manual_seed(step_seed(seed, micro_step))
 
 
 HookInstaller = Callable[[LabTrainer, argparse.Namespace], AbstractContextManager]

@@ -4,7 +4,7 @@ A plain A/B on one seed shares the adapter init and the data order, but not the 
 routed step draws its noise at a smaller grid, so every later step's noise and σ differ from the
 native twin's, and the paired difference carries a noise lottery as large as the seed lottery
 (docs/FIDELITY.md §6). Twin mode removes it. Each micro-step starts from its own seeded state of
-torch's generator (:func:`step_seed`, the same in both runs whatever the steps before consumed), so
+torch's generator (``lab/trainer.py``'s :func:`seed_micro_step`, the same in both runs whatever the steps before consumed), so
 both twins draw the same σ (the router's dry run replays the host's draw from that state); and the
 step's noise is one native draw ε ~ N(0, I): a native step gets ε itself, a routed step gets the
 paired transform M·ε of ``mapping/paired.py`` (exactly N(0, I) at the small grid: the noise the
@@ -20,30 +20,21 @@ import math
 from collections.abc import Iterator
 from contextlib import AbstractContextManager, contextmanager
 
-import numpy as np
 import torch
 
 from ...flops import FlopModel
 from ...lab.model import image_tokens
+from ...lab.trainer import seed_micro_step
 from ...mapping.paired import coupled_small_noise, injected_noise
 from ...plan import plan_table
 from .adapter import LabPlugin, lab_sampler
-
-
-def step_seed(seed: int, micro_step: int) -> int:
-    """The global generator's seed for one micro-step of a twin run: (seed, step) hashed to 32 bits,
-    since torch's CPU generator keeps only a seed's low 32 bits (a seed in the high bits would give
-    every training seed the same noise stream)."""
-    if seed < 0 or micro_step < 0:
-        raise ValueError(f"seed and micro_step must be >= 0 (got {seed}, {micro_step})")
-    return int(np.random.SeedSequence([seed, micro_step]).generate_state(1)[0])
 
 
 @contextmanager
 def twin_step(seed: int, micro_step: int, batch: dict) -> Iterator[None]:
     """A ``train_lora`` ``step_scope``: reseed for this micro-step and hand the host's noise draw the
     native draw, or its paired transform when the step runs at a smaller grid."""
-    torch.manual_seed(step_seed(seed, micro_step))
+    seed_micro_step(seed, micro_step)
     native_shape = tuple(batch["latents"].shape)
 
     def noise(shape: tuple[int, ...]) -> torch.Tensor:

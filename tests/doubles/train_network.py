@@ -73,6 +73,10 @@ class TinyDataset:
                     "target_sizes_hw": torch.tensor([[height, width]] * self.batch_size),
                 }
             )
+        if args.distinct_images is not None:  # the rest repeat them: one picture in the dataset under several names
+            samples = [latent for batch in self.batches for latent in batch["latents"]]
+            for i in range(args.distinct_images, len(samples)):
+                samples[i].copy_(samples[i % args.distinct_images])
 
 
 class TinyDatasetGroup:
@@ -393,6 +397,7 @@ def setup_parser() -> argparse.ArgumentParser:
         "blocks_to_swap": None,
         "dataset_size": 4,
         "data_seed": 1234,
+        "distinct_images": None,
         "model_seed": 42,
         "multires_noise_iterations": None,
     }.items():

@@ -12,12 +12,11 @@ from __future__ import annotations
 import importlib
 import json
 import os
-import socket
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import join_group, spawn_ranks
 from host_modules import ARCHS, explicit_hook_class, host_modules, run_double, trainer_class
 from safetensors import safe_open
 
@@ -319,15 +318,8 @@ def test_positions_interpolate_is_refused_where_there_are_no_position_ids():
 # -- two processes, gloo ------------------------------------------------------------------------
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_group(rank, world, port)
     try:
         with host_modules():
             # Each rank: its own seed (as an unseeded sd-scripts run draws per process) and its own data.
@@ -355,7 +347,7 @@ def _rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 
 
 def test_two_gloo_ranks_route_identically_every_step(tmp_path):
-    mp.spawn(_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_rank_main, 2, str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert len(r0["shapes"]) == 50 and r0["shapes"] == r1["shapes"]  # the same grid on both ranks, every step
     assert {s[1] for s in r0["shapes"]} == {64, 16}  # both routes happened (native 8x8 packed tokens, routed 4x4)
@@ -368,8 +360,7 @@ def test_two_gloo_ranks_route_identically_every_step(tmp_path):
 
 def _resume_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
     """Two ranks: a run that saves its state at step 4 (main process), then both ranks resume from it."""
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_group(rank, world, port)
     try:
         with host_modules():
             common = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "8", "--dataset_size", "16")
@@ -397,7 +388,7 @@ def _resume_rank_main(rank: int, world: int, port: int, out_dir: str) -> None:
 def test_two_gloo_ranks_resume_with_the_whole_runs_counts(tmp_path):
     """The main process saves the cross-rank totals with its state; on resume only it adds them back, so the
     totals (and ``ss_downscale_counts``) are the whole run's on every rank, not doubled."""
-    mp.spawn(_resume_rank_main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_resume_rank_main, 2, str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"rank{r}.pt") for r in (0, 1))
     assert r0["offset"] == r1["offset"] == 4  # step 4 × accumulation 1
     assert r0["local"] == 4 + 8 and r1["local"] == 4  # rank 0 carries the saved totals (4 forwards × 2 ranks)

@@ -14,14 +14,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import sys
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
+from gloo_ranks import join_group, spawn_ranks
 from safetensors import safe_open
 
 from downscale_plugin.hosts.kohya.run import COUNTS_FILE
@@ -29,21 +28,14 @@ from downscale_plugin.hosts.kohya.run import COUNTS_FILE
 DOUBLES = str(Path(__file__).parent / "doubles")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _spawn(main, tmp_path: Path) -> tuple[dict, dict]:
-    mp.spawn(main, args=(2, _free_port(), str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(main, 2, str(tmp_path))
     return tuple(torch.load(tmp_path / f"rank{r}.pt", weights_only=False) for r in (0, 1))
 
 
 def _init(rank: int, world: int, port: int) -> None:
-    torch.set_num_threads(1)
     sys.path.insert(0, DOUBLES)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    join_group(rank, world, port)
 
 
 def _train(cls, *argv: str, downscale: dict, trainer=None):

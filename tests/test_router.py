@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from gloo_ranks import join_group, spawn_ranks
 from scipy import stats
 from selected_cases import run_selected_cases
 
@@ -594,13 +595,12 @@ def test_ranks_on_different_buckets_agree_as_the_shared_uniform_allows():
         assert all(bool(in_category(d.sigmas, d.rule_index, STACK).all()) for d in decisions)
 
 
-def _gloo_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
+def _gloo_rank(rank: int, world: int, port: int, steps: int, out_dir: str) -> None:
     import torch.distributed as dist
 
     from downscale_plugin.accounting import Accounting, StepRecord
 
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    join_group(rank, world, port)
     try:
         hw = (HW, WIDE_HW)[rank]
         accounting = Accounting(STACK, token_values=Accounting.vocabulary([HW, WIDE_HW], STACK, "flux", 0.1))
@@ -623,15 +623,8 @@ def _gloo_rank(rank: int, port: int, steps: int, out_dir: str) -> None:
 
 
 def test_two_gloo_ranks_on_different_buckets_count_their_disagreements(tmp_path):
-    import socket
-
-    import torch.multiprocessing as mp
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
     steps = 1500
-    mp.spawn(_gloo_rank, args=(port, steps, str(tmp_path)), nprocs=2, join=True)
+    spawn_ranks(_gloo_rank, 2, steps, str(tmp_path))
     r0, r1 = (torch.load(tmp_path / f"{r}.pt") for r in (0, 1))
     differ = sum(x != y for x, y in zip(r0["routes"], r1["routes"], strict=True))
     assert differ > 0  # 1024² and 1216×832 under flux_shift: P(c) differ, so some steps must

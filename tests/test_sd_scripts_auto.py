@@ -52,6 +52,8 @@ def test_budget_zero_is_the_plain_run_bitwise(tmp_path):
     ("arch", "options"),
     [
         ("flux", ()),
+        ("sd1", ()),  # SD1/SDXL: DDPM timesteps, the noise path replayed in the plugin's step
+        ("sdxl", ()),
         ("anima", ()),
         pytest.param("anima", ("--unsloth_offload_checkpointing",), id="anima-unsloth-checkpointing"),
     ],

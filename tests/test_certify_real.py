@@ -93,8 +93,11 @@ certify_budget = 0.5              # of 50 steps × accumulation 2: 50, one safe 
 """
 
 
-def recorded(work: Path, out: Path, *argv: str, table: str = AUTO_RESUME, steps: int = 40, images: int = 16) -> tuple[dict, str]:
-    """The real Flux script through ``sd_scripts_e2e.py record`` with ``table``: ``images`` images, batch 1, accumulation 2."""
+def recorded(
+    work: Path, out: Path, *argv: str, table: str = AUTO_RESUME, steps: int = 40, images: int = 16, arch: str = "flux"
+) -> tuple[dict, str]:
+    """The real ``arch`` script through ``sd_scripts_e2e.py record`` with ``table``: ``images`` images, batch 1,
+    accumulation 2; route passes at their token fraction (``E2E_TOKEN_COSTS``)."""
     env = {
         **os.environ,
         "COLUMNS": "1000",
@@ -105,7 +108,7 @@ def recorded(work: Path, out: Path, *argv: str, table: str = AUTO_RESUME, steps:
         "E2E_TOKEN_COSTS": "1",
     }
     proc = subprocess.run(
-        [sys.executable, str(HERE / "sd_scripts_e2e.py"), "flux", str(work), "record", "--gradient_accumulation_steps", "2", *argv],
+        [sys.executable, str(HERE / "sd_scripts_e2e.py"), arch, str(work), "record", "--gradient_accumulation_steps", "2", *argv],
         cwd=SD_SCRIPTS_DIR,
         env=env,
         capture_output=True,

@@ -1,6 +1,6 @@
 """Run a real sd-scripts LoRA training script end to end with ``--network_module downscale_plugin``, offline.
 
-    python tests/sd_scripts_e2e.py {flux,sd3,anima} WORK_DIR [train|map-stop|map-train|auto|record ARGS...]
+    python tests/sd_scripts_e2e.py {flux,sd3,anima,sdxl} WORK_DIR [train|map-stop|map-train|auto|record ARGS...]
     python tests/sd_scripts_e2e.py flux WORK_DIR ranks [ARGS...]
     (cwd: the sd-scripts checkout; the plugin installed, ``pip install -e``)
 
@@ -10,9 +10,10 @@ generated image folder, with a training TOML carrying ``[plugins.downscale]``.
 
 Only the checkpoint *loaders* are replaced, because sd-scripts builds each model from a hard-coded
 full-size config and then loads weights into it (FLUX.1 hidden 3072, T5-XXL 4.7 B, CLIP-L/G, the
-SD3 VAE and Anima's 2 B DiT, Qwen-Image VAE); random full-size models would need ~20 GB and hours
-on a CPU. The replacements build tiny models from the same classes (sd-scripts' ``flux_models``,
-``sd3_models``, ``anima_models``, ``qwen_image_autoencoder_kl``; transformers' CLIP/T5/Qwen3), and
+SD3 VAE and Anima's 2 B DiT, Qwen-Image VAE, SDXL's 2.6 B UNet); random full-size models would need ~20 GB and
+hours on a CPU. The replacements build tiny models from the same classes (sd-scripts' ``flux_models``,
+``sd3_models``, ``anima_models``, ``qwen_image_autoencoder_kl``, ``sdxl_original_unet`` with its width constants
+set small; transformers' CLIP/T5/Qwen3, diffusers' ``AutoencoderKL``), and
 where the host derives the config from the checkpoint (SD3's MMDiT, Anima's Qwen3 directory) the
 real loader reads a tiny checkpoint written here. Tokenizers are built locally (sd-scripts'
 ``--tokenizer_cache_dir`` is read before the hub) or ship with the checkout (Anima).
@@ -26,7 +27,8 @@ routes: the map's files must be written, ``stop`` must end the script with exit 
 windows must record them (``ss_downscale_map``). ``record`` passes the arguments after it
 to the script (``--gradient_accumulation_steps 2 --resume DIR ...``) and writes ``WORK/record.json``:
 every train step's route decision in order, the saved LoRA's ``ss_downscale_*`` metadata and the
-accelerator's state hooks left at the end; the caller checks them (``E2E_IMAGES``, ``E2E_REPEATS``,
+accelerator's state hooks left at the end, and for SDXL the target size each UNet forward's size embedding encodes
+(``unet_sizes``); the caller checks them (``E2E_IMAGES``, ``E2E_REPEATS``,
 ``E2E_STEPS`` and ``E2E_ROUTES`` set the dataset, ``max_train_steps`` and the plugin table). Prints
 ``E2E OK`` on success.
 
@@ -190,7 +192,7 @@ def clip_tokenizer(path: Path, eos: str = "<|endoftext|>", write: bool = True) -
     path.mkdir(parents=True)
     (path / "vocab.json").write_text(json.dumps(vocab))
     (path / "merges.txt").write_text("#version: 0.2\n")
-    CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt")).save_pretrained(str(path))
+    CLIPTokenizer(str(path / "vocab.json"), str(path / "merges.txt"), model_max_length=77).save_pretrained(str(path))  # as CLIP-L/G
     return len(vocab)
 
 
@@ -211,12 +213,12 @@ def t5_tokenizer(path: Path, write: bool = True) -> int:
     return len(pieces)
 
 
-def tiny_clip(vocab: int, width: int, projection: bool = False):
+def tiny_clip(vocab: int, width: int, projection: bool = False, layers: int = 1, projection_dim: int | None = None):
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTextModelWithProjection
 
     config = CLIPTextConfig(
-        vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=1, num_attention_heads=2,
-        max_position_embeddings=77, projection_dim=width, eos_token_id=vocab - 1,
+        vocab_size=vocab, hidden_size=width, intermediate_size=2 * width, num_hidden_layers=layers, num_attention_heads=2,
+        max_position_embeddings=77, projection_dim=projection_dim or width, eos_token_id=vocab - 1,
     )  # fmt: skip
     return (CLIPTextModelWithProjection if projection else CLIPTextModel)(config).eval()
 
@@ -410,7 +412,45 @@ discrete_flow_shift = 1.0
     return "anima_train_network.py", training_toml(work, "unused", images, extra), "networks.lora_anima", models
 
 
-SETUPS = {"flux": setup_flux, "sd3": setup_sd3, "anima": setup_anima}
+def setup_sdxl(work: Path, images: Path) -> tuple:
+    """SDXL's UNet takes its widths from module constants (320 channels, a 1 280 time embedding, 2 816 size-and-pool
+    inputs), set small here before it is built; its cross-attention width is a literal 2 048, so the two text encoders'
+    hidden states (CLIP-L's 12th layer, CLIP-G's penultimate) are 8 + 2 040 wide, and CLIP-G's pooled projection 1 280
+    wide (+ 6 × 256 size embeddings = 2 816). The VAE is diffusers' ``AutoencoderKL`` at 8× downsampling."""
+    from diffusers import AutoencoderKL
+    from library import sdxl_original_unet, sdxl_train_util
+
+    cache = work / "tokenizers"
+    vocab = clip_tokenizer(cache / "openai_clip-vit-large-patch14")
+    clip_tokenizer(cache / "laion_CLIP-ViT-bigG-14-laion2B-39B-b160k")
+    sdxl_original_unet.MODEL_CHANNELS, sdxl_original_unet.TIME_EMBED_DIM = 32, 128
+
+    def unet():
+        torch.manual_seed(3)
+        return sdxl_original_unet.SdxlUNet2DConditionModel()
+
+    def text_encoders():
+        torch.manual_seed(4)
+        return [tiny_clip(vocab, 8, layers=11), tiny_clip(vocab, 2040, projection=True, projection_dim=1280)]
+
+    def vae():
+        torch.manual_seed(5)
+        blocks = dict(down_block_types=("DownEncoderBlock2D",) * 4, up_block_types=("UpDecoderBlock2D",) * 4)
+        return AutoencoderKL(block_out_channels=(32,) * 4, layers_per_block=1, latent_channels=4, sample_size=128, **blocks).eval()
+
+    def load_target_model(name_or_path, vae_path, model_version, weight_dtype, device="cpu", model_dtype=None, disable_mmap=False):
+        return True, *text_encoders(), vae(), unet(), None, None  # (SD format, TE1, TE2, VAE, UNet, logit_scale, ckpt_info)
+
+    sdxl_train_util._load_target_model = load_target_model
+    extra = f'tokenizer_cache_dir = "{cache}"\n'
+
+    def models():
+        return vae(), text_encoders(), unet()
+
+    return "sdxl_train_network.py", training_toml(work, "unused.safetensors", images, extra), "networks.lora", models
+
+
+SETUPS = {"flux": setup_flux, "sd3": setup_sd3, "anima": setup_anima, "sdxl": setup_sdxl}
 
 
 def tracked_scalars(logs: Path) -> dict[str, list[float]]:
@@ -454,8 +494,35 @@ def check_auto(work: Path, meta: dict) -> None:
     assert json.loads(meta["ss_downscale_routes"]) == windows["routes"], meta
 
 
-def write_record(work: Path, steps: list, runs: list) -> None:
-    """``WORK/record.json``: the decisions, the saved LoRA's ``ss_downscale_*`` keys, the hooks left on the accelerator."""
+def sdxl_size_recorder() -> list:
+    """Per forward of SDXL's UNet: its latent grid and the target size (px) its size embedding encodes, found by the
+    host's own ``get_size_embeddings`` of the images' 128 px source, crop (0, 0) and a target at either the native
+    128 px or the forward's own grid × 8, whichever the embedding equals exactly (None: neither)."""
+    from library import sdxl_original_unet, sdxl_train_util
+
+    seen: list = []
+    forward = sdxl_original_unet.SdxlUNet2DConditionModel.forward
+
+    def recorded(self, x, timesteps=None, context=None, y=None, **kwargs):
+        n, (h, w) = x.shape[0], x.shape[-2:]
+        sizes = y[:, -6 * 256 :]  # after CLIP-G's pooled output: source, crop and target sizes (h, w), 256 each
+        found = None
+        for target in ((128, 128), (8 * h, 8 * w)):
+            embedding = sdxl_train_util.get_size_embeddings(
+                torch.tensor([[128, 128]] * n), torch.zeros(n, 2, dtype=torch.long), torch.tensor([target] * n), x.device
+            )
+            if torch.equal(sizes, embedding.to(sizes.dtype)):
+                found = list(target)
+        seen.append({"hw": [h, w], "target": found})
+        return forward(self, x, timesteps, context, y, **kwargs)
+
+    sdxl_original_unet.SdxlUNet2DConditionModel.forward = recorded
+    return seen
+
+
+def write_record(work: Path, steps: list, runs: list, **extra: list) -> None:
+    """``WORK/record.json``: the decisions, the saved LoRA's ``ss_downscale_*`` keys, the hooks left on the accelerator
+    (and ``extra``: SDXL's size conditioning per UNet forward)."""
     lora = work / "out" / "lora.safetensors"
     with safe_open(str(lora), "pt") as f:
         meta = {k: v for k, v in (f.metadata() or {}).items() if k.startswith("ss_")}
@@ -463,7 +530,7 @@ def write_record(work: Path, steps: list, runs: list) -> None:
     for run in runs:
         for name in ("_save_model_state_pre_hook", "_load_model_state_pre_hook"):
             left += [f"{name}:{h.__module__}.{h.__qualname__}" for h in getattr(run.accelerator, name, {}).values()]
-    record = {"steps": steps, "metadata": meta, "hooks": left, "offset": [run.router.resume_offset for run in runs]}
+    record = {"steps": steps, "metadata": meta, "hooks": left, "offset": [run.router.resume_offset for run in runs], **extra}
     (work / "record.json").write_text(json.dumps(record))
 
 
@@ -485,8 +552,9 @@ def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
     sys.argv = [script, "--config_file", str(config), *host_argv]
     if mode == "record":
         steps, runs = recorder()
+        extra = {"unet_sizes": sdxl_size_recorder()} if arch == "sdxl" else {}
         runpy.run_path(script, run_name="__main__")
-        write_record(work, steps, runs)
+        write_record(work, steps, runs, **extra)
         print(f"E2E OK: {len(steps)} train forwards recorded")
         return
     try:

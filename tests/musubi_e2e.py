@@ -43,7 +43,8 @@ scripts merge it, agreeing with the loaders' own merge-at-load ``lora_weights_li
 WORK_DIR go to the training script (``--gradient_accumulation_steps 2``, ``--num_timestep_buckets 4`` ...).
 
 Several processes (``E2E_PROCESSES``; ``wan_ranks``: 2 by default, Wan 2.1 on ``RANKS``' two-resolution dataset
-and bucket-dependent σ law; ``wan``, ``wan22`` take it too): after the caching, this process launches the training
+and bucket-dependent σ law, and with ``E2E_PROCESSES=1`` that dataset on one process, e.g. to resume a state its
+ranks saved; ``wan``, ``wan22`` take it too): after the caching, this process launches the training
 as that many CPU ranks through accelerate's own launcher, ``python -m accelerate.commands.launch --multi_gpu
 --num_processes N --num_cpu_threads_per_process 1 ... musubi_e2e.py --rank NAME WORK`` with ``ACCELERATE_USE_CPU=1``
 and no visible GPU, so each rank's Accelerator runs MULTI_CPU on gloo (``--num_processes N`` without ``--multi_gpu``,
@@ -669,8 +670,6 @@ def main(name: str, work: Path, *train_argv: str) -> None:
     processes = int(os.environ.get("E2E_PROCESSES", 2 if name == "wan_ranks" else 1))
     if processes > 1 and name not in MULTI:
         raise SystemExit(f"E2E_PROCESSES={processes}: a multi-process launch runs {sorted(MULTI)} only, not {name}")
-    if processes < 2 and name == "wan_ranks":
-        raise SystemExit("wan_ranks is a multi-process run: E2E_PROCESSES must be 2 or more")
     work.mkdir(parents=True, exist_ok=True)
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -703,7 +702,8 @@ def main(name: str, work: Path, *train_argv: str) -> None:
         meta = {k: v for k, v in (f.metadata() or {}).items() if k.startswith("ss_")}
     counts = json.loads(meta["ss_downscale_counts"])
     assert meta["ss_network_module"] == "downscale_plugin" and meta["ss_downscale_inner"] == setup["inner"], meta
-    assert meta["ss_downscale_arch"] == arch and counts["forwards"] == forwards, meta
+    assert meta["ss_downscale_arch"] == arch, meta
+    assert counts["forwards"] == forwards or "--resume" in train_argv, meta  # a resumed run's add the saved run's (the caller checks)
     loaded = check_lora(lora, setup)
     record = {
         "arch": arch,
@@ -718,6 +718,8 @@ def main(name: str, work: Path, *train_argv: str) -> None:
         "plan_exact": exact_plan(run, steps, **SAMPLING[arch]),
         "plan_cli": cli_plan(setup, steps, arch),
         "lora": loaded,
+        "resume_offset": run.router.resume_offset,
+        "counts": counts,
     }
     (work / "record.json").write_text(json.dumps(record, indent=1))
     m, p, e = record["measured"], record["plan"]["given_buckets"], record["plan_exact"]["given_buckets"]
@@ -792,7 +794,7 @@ def rank_main(name: str, work: Path, *train_argv: str) -> None:
     record = {
         "rank": run.rank, "world_size": run.world_size, "own_seed": RANKS["seed"] + rank, "seed": run.seed,
         "backend": seen["backend"], "distributed_type": str(run.accelerator.distributed_type),
-        "forwards": STEPS * int(run.accelerator.gradient_accumulation_steps),
+        "forwards": STEPS * int(run.accelerator.gradient_accumulation_steps), "resume_offset": run.router.resume_offset,
         "routes": [r.label for r in run.cfg.routes], "sigma_windows": [[r.sigma_min, r.sigma_max] for r in run.cfg.routes],
         "steps": steps, "dit_inputs": DIT_INPUTS, "dit_weights": DIT_WEIGHTS, "dit_timesteps": DIT_TIMESTEPS,
         "local": {**local.counts.state(), "hist_run": local.hist_run, "hist_native": local.hist_native},

@@ -38,18 +38,23 @@ SEED = RANKS_SEED  # rank r trains with --seed SEED + r
 BUCKETS = [[16, 16], [32, 32]]  # 128² and 256² clips at the latent grid (one latent frame)
 
 
-@pytest.fixture(scope="module")
-def run(tmp_path_factory) -> dict:
-    work = tmp_path_factory.mktemp("wan_ranks") / "work"
+def _e2e(work: Path, name: str, processes: int, *argv: str) -> dict:
+    """``musubi_e2e.py NAME WORK --gradient_accumulation_steps 2 ARGV...`` on ``processes`` processes; its record."""
     env = {
         **os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "COLUMNS": "1000",
-        "E2E_STEPS": str(STEPS), "E2E_PROCESSES": str(PROCESSES),
+        "E2E_STEPS": str(STEPS), "E2E_PROCESSES": str(processes),
     }  # fmt: skip
     python = os.environ.get("MUSUBI_PYTHON", sys.executable)
-    argv = [python, str(HERE / "musubi_e2e.py"), "wan_ranks", str(work), "--gradient_accumulation_steps", str(ACCUMULATION)]
-    proc = subprocess.run(argv, cwd=work.parent, env=env, capture_output=True, text=True, timeout=600)
+    command = [python, str(HERE / "musubi_e2e.py"), name, str(work), "--gradient_accumulation_steps", str(ACCUMULATION), *argv]
+    work.parent.mkdir(parents=True, exist_ok=True)
+    proc = subprocess.run(command, cwd=work.parent, env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0 and "E2E OK" in proc.stdout, proc.stdout[-6000:] + proc.stderr[-8000:]
     return json.loads((work / "record.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory) -> dict:
+    return _e2e(tmp_path_factory.mktemp("wan_ranks") / "work", "wan_ranks", PROCESSES)
 
 
 def _category(sigma: float, windows: list) -> int:
@@ -147,3 +152,21 @@ def test_each_rank_runs_its_own_sigma(run):
         for step, timesteps in zip(rank["steps"], rank["dit_timesteps"], strict=True):
             assert timesteps == pytest.approx([1000.0 * x + 1.0 for x in step["sigmas"]], abs=2e-3), (step, timesteps)
             assert step["fallback"] is None and all(_category(x, windows) == step["rule"] for x in step["sigmas"]), step
+
+
+def test_a_state_two_real_ranks_saved_resumes_on_one_process_at_each_ranks_forward(tmp_path):
+    """musubi-tuner's resumed run starts its step count again at 0, so the plugin takes the resumed forward from the
+    counts saved with the state: their cross-rank sum over the processes that saved it (``processes`` in the counts
+    file). A state the two ranks saved at step 3 (2 ranks × 3 steps × accumulation 2 = 12 forwards) resumes on one
+    process at absolute forward 6, each rank's own forward at the save (12 would skip a rank's worth of spans and
+    step draws), and the resumed run's counts go on from the saved 12."""
+    from downscale_plugin.hosts.kohya.run import COUNTS_FILE
+
+    saved = _e2e(tmp_path / "two" / "work", "wan_ranks", PROCESSES, "--save_state", "--save_every_n_steps", "3")
+    assert [rank["resume_offset"] for rank in saved["ranks"]] == [0, 0]
+    (state,) = (tmp_path / "two" / "work" / "out").glob("*-step00000003-state")
+    counts = json.loads((state / COUNTS_FILE).read_text())
+    assert counts["processes"] == PROCESSES
+    resumed = _e2e(tmp_path / "one" / "work", "wan_ranks", 1, "--resume", str(state))  # the same dataset and routes
+    assert resumed["resume_offset"] == 3 * ACCUMULATION
+    assert resumed["counts"]["forwards"] == PROCESSES * 3 * ACCUMULATION + FORWARDS

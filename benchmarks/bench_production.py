@@ -128,6 +128,9 @@ def build_sd3(full: bool) -> torch.nn.Module:
     for name, p in model.named_parameters():  # initialize_weights zeroes the modulation and output layers
         if "adaLN" in name or "final_layer" in name:
             torch.nn.init.normal_(p, std=0.02)
+    for module in model.modules():  # the qk RMSNorm scales are torch.empty even off the meta device (a checkpoint sets
+        if isinstance(module, sd3_models.RMSNorm) and module.weight is not None:  # them): uninitialized memory gave NaN
+            torch.nn.init.ones_(module.weight)
     return model
 
 

@@ -95,7 +95,7 @@ def test_text_encoder_is_deterministic_per_class() -> None:
 
 def test_data_deterministic_with_bucket_shapes(tiny_data: LabData) -> None:
     again = LabData(tiny_data.cfg)
-    assert again.names == tiny_data.names and tiny_data.num_classes >= 4
+    assert again.names == tiny_data.names and tiny_data.num_sources >= 4
     seen = set()
     for step in range(12):
         a, b = tiny_data.batch(step, 3, seed=5), again.batch(step, 3, seed=5)
@@ -104,7 +104,7 @@ def test_data_deterministic_with_bucket_shapes(tiny_data: LabData) -> None:
         seen.add(a["bucket"])
         assert a["latents"].shape == (3, TINY.latent_channels, h // 4, w // 4)
         assert torch.equal(a["loss_weights"], torch.ones(3))
-        assert a["class_ids"].min() >= 0 and a["class_ids"].max() < tiny_data.num_classes
+        assert a["class_ids"].min() >= 0 and a["class_ids"].max() < tiny_data.num_sources and torch.equal(a["class_ids"], a["sources"])
     assert seen == set(TINY_BUCKETS)
     assert not torch.equal(tiny_data.batch(0, 3, seed=5)["latents"], tiny_data.batch(0, 3, seed=6)["latents"])
     val = tiny_data.validation_set(per_bucket=2, seed=0)

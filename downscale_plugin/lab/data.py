@@ -173,8 +173,91 @@ class LatentCodec:
         return F.pixel_shuffle(torch.einsum("ck,bchw->bkhw", self.projection, z), FACTOR)
 
 
-class LabData:
-    """Deterministic lab corpus; batch ``step`` of a run is a pure function of (seed, step)."""
+class CropSet:
+    """Random crops of a fixed list of images, encoded by a codec.
+
+    ``images[i]`` holds source i at one or more scales (uint8 [3, H, W] each: 8-bit like real
+    training images, and compact); a crop picks a source, a scale, a position and a horizontal flip.
+    ``class_ids[i]`` is the text class source i is captioned with (the lab corpus: one per source;
+    a concept: one trigger class for all of them).
+    """
+
+    def __init__(self, images: list[list[torch.Tensor]], names: list[str], class_ids: list[int], codec: LatentCodec) -> None:
+        if not (len(images) == len(names) == len(class_ids)) or not images:
+            raise ValueError("a crop set needs one name and one class id per image, and at least one image")
+        self.images, self.names, self.class_ids, self.codec = images, names, class_ids, codec
+
+    def crops(self, rng: np.random.Generator, bucket: tuple[int, int], batch_size: int, pixels: bool = False) -> dict:
+        """``batch_size`` crops of ``bucket`` (pixels); see :meth:`BucketedData.batch` for the keys."""
+        h, w = bucket
+        crops, sources = [], []
+        for _ in range(batch_size):
+            src = int(rng.integers(len(self.images)))
+            per_scale = self.images[src]
+            img = per_scale[int(rng.integers(len(per_scale)))]
+            y = int(rng.integers(img.shape[1] - h + 1))
+            x = int(rng.integers(img.shape[2] - w + 1))
+            crop = img[:, y : y + h, x : x + w]
+            crops.append(crop.flip(-1) if rng.random() < 0.5 else crop)
+            sources.append(src)
+        images = torch.stack(crops).float() / 255.0
+        batch = {
+            "latents": self.codec.encode(images),
+            "loss_weights": torch.ones(batch_size),
+            "captions": [self.names[s] for s in sources],
+            "class_ids": torch.tensor([self.class_ids[s] for s in sources], dtype=torch.long),
+            "sources": torch.tensor(sources, dtype=torch.long),
+            "bucket": bucket,
+        }
+        return {**batch, "pixels": images} if pixels else batch
+
+
+def to_uint8_chw(img: np.ndarray) -> torch.Tensor:
+    """[H, W, 3] float in [0, 1] -> uint8 [3, H, W]."""
+    return torch.from_numpy(np.round(np.clip(img, 0.0, 1.0) * 255).astype(np.uint8)).permute(2, 0, 1).contiguous()
+
+
+class BucketedData:
+    """A training set and a validation source over the same buckets and codec; batch ``step`` of a
+    run is a pure function of (seed, step), and the validation set a pure function of its seed."""
+
+    cfg: LabDataConfig
+    codec: LatentCodec
+    train: CropSet
+    validation_source: CropSet
+
+    @property
+    def names(self) -> list[str]:
+        """The training images' names."""
+        return self.train.names
+
+    @property
+    def num_sources(self) -> int:
+        return len(self.train.images)
+
+    def batch(self, step: int, batch_size: int, seed: int, pixels: bool = False) -> dict:
+        """One bucket per batch, chosen uniformly; random source, scale, crop and horizontal flip.
+
+        Returns ``latents`` [B, C, h, w], ``loss_weights`` [B], ``captions``, ``class_ids`` [B] (the
+        text class), ``sources`` [B] (the training image each crop is from) and ``bucket`` (pixels),
+        the keys the lab trainer reads (``latents``/``loss_weights`` as in sd-scripts); with ``pixels``
+        also the RGB crops the latents encode, ``pixels`` [B, 3, H, W] in [0, 1].
+        """
+        rng = np.random.default_rng([seed, step])
+        bucket = self.cfg.buckets[int(rng.integers(len(self.cfg.buckets)))]
+        return self.train.crops(rng, bucket, batch_size, pixels)
+
+    def validation_set(self, per_bucket: int = 2, seed: int = 0) -> list[dict]:
+        """A fixed draw from the validation source: one batch of ``per_bucket`` crops per bucket (its own RNG stream)."""
+        return [
+            self.validation_source.crops(np.random.default_rng([seed, 0x7FFF_FFFF, i]), bucket, per_bucket)
+            for i, bucket in enumerate(self.cfg.buckets)
+        ]
+
+
+class LabData(BucketedData):
+    """The pretraining corpus. Its validation set is a separate draw of crops of the same images
+    (held-out crops, not held-out images: the corpus is what the base model was trained on)."""
 
     def __init__(self, cfg: LabDataConfig | None = None) -> None:
         self.cfg = cfg = cfg or LabDataConfig()
@@ -184,58 +267,8 @@ class LabData:
         for i in range(cfg.generated):
             maker = dead_leaves if i % 2 == 0 else pink_noise
             sources.append((f"{maker.__name__}_{i // 2}", maker(gen_size, seed=1000 + i)))
-        self.names = [name for name, _ in sources]
-        # uint8 [3, H, W] per (source, scale): 8-bit like real training images, and compact.
-        self._images = [
-            [
-                torch.from_numpy(np.round(_resize_short_side(img, int(np.ceil(side * s))) * 255).astype(np.uint8))
-                .permute(2, 0, 1)
-                .contiguous()
-                for s in cfg.scales
-            ]
-            for _, img in sources
-        ]
+        images = [[to_uint8_chw(_resize_short_side(img, int(np.ceil(side * s)))) for s in cfg.scales] for _, img in sources]
         self.codec = LatentCodec(cfg.latent_channels, cfg.projection_seed)
-        self.codec.fit([per_scale[0] for per_scale in self._images])
-
-    @property
-    def num_classes(self) -> int:
-        return len(self.names)
-
-    def _make_batch(self, rng: np.random.Generator, bucket: tuple[int, int], batch_size: int, pixels: bool = False) -> dict:
-        h, w = bucket
-        crops, classes = [], []
-        for _ in range(batch_size):
-            src = int(rng.integers(len(self._images)))
-            img = self._images[src][int(rng.integers(len(self.cfg.scales)))]
-            y = int(rng.integers(img.shape[1] - h + 1))
-            x = int(rng.integers(img.shape[2] - w + 1))
-            crop = img[:, y : y + h, x : x + w]
-            crops.append(crop.flip(-1) if rng.random() < 0.5 else crop)
-            classes.append(src)
-        images = torch.stack(crops).float() / 255.0
-        batch = {
-            "latents": self.codec.encode(images),
-            "loss_weights": torch.ones(batch_size),
-            "captions": [self.names[c] for c in classes],
-            "class_ids": torch.tensor(classes, dtype=torch.long),
-            "bucket": bucket,
-        }
-        return {**batch, "pixels": images} if pixels else batch
-
-    def batch(self, step: int, batch_size: int, seed: int, pixels: bool = False) -> dict:
-        """One bucket per batch, chosen uniformly; random source, scale, crop and horizontal flip.
-
-        Returns ``latents`` [B, C, h, w], ``loss_weights`` [B], ``captions``, ``class_ids`` [B] and
-        ``bucket`` (pixels), the keys the lab trainer reads (``latents``/``loss_weights`` as in sd-scripts);
-        with ``pixels`` also the RGB crops the latents encode, ``pixels`` [B, 3, H, W] in [0, 1].
-        """
-        rng = np.random.default_rng([seed, step])
-        bucket = self.cfg.buckets[int(rng.integers(len(self.cfg.buckets)))]
-        return self._make_batch(rng, bucket, batch_size, pixels)
-
-    def validation_set(self, per_bucket: int = 2, seed: int = 0) -> list[dict]:
-        """A fixed held-out draw: one batch of ``per_bucket`` crops per bucket (its own RNG stream)."""
-        return [
-            self._make_batch(np.random.default_rng([seed, 0x7FFF_FFFF, i]), bucket, per_bucket) for i, bucket in enumerate(self.cfg.buckets)
-        ]
+        self.codec.fit([per_scale[0] for per_scale in images])
+        names = [name for name, _ in sources]
+        self.train = self.validation_source = CropSet(images, names, list(range(len(images))), self.codec)

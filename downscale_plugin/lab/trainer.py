@@ -37,6 +37,7 @@ from .model import LabDiT, LabTextEncoder
 # Attention projections of diffusers' Flux blocks (image and text streams; single blocks have no to_out).
 LORA_TARGETS = ("to_q", "to_k", "to_v", "to_out.0", "add_q_proj", "add_k_proj", "add_v_proj", "to_add_out")
 VAL_SIGMAS = (0.1, 0.3, 0.5, 0.7, 0.9)
+VALIDATION_STREAM = 0x7A11D  # the validation noise's streams: (this, seed, batch, σ index, draw), apart from every training stream
 
 
 def lab_args(**overrides: Any) -> argparse.Namespace:
@@ -260,13 +261,18 @@ class LoraResult:
         return sum(self.step_times)
 
 
-def step_seed(seed: int, micro_step: int) -> int:
-    """The CPU generator's seed for one micro-step of a twin run (``hosts/lab/twin.py``): (seed, step) hashed to 32 bits,
+def stream_seed(*parts: int) -> int:
+    """A generator seed for one stream named by ``parts``: hashed to 32 bits (``np.random.SeedSequence``),
     since torch's CPU generator keeps only a seed's low 32 bits (a seed in the high bits would give
-    every training seed the same noise stream)."""
-    if seed < 0 or micro_step < 0:
-        raise ValueError(f"seed and micro_step must be >= 0 (got {seed}, {micro_step})")
-    return int(np.random.SeedSequence([seed, micro_step]).generate_state(1)[0])
+    every training seed the same stream); streams named by different parts are unrelated."""
+    if any(p < 0 for p in parts):
+        raise ValueError(f"stream seed parts must be >= 0 (got {parts})")
+    return int(np.random.SeedSequence(list(parts)).generate_state(1)[0])
+
+
+def step_seed(seed: int, micro_step: int) -> int:
+    """The CPU generator's seed for one micro-step of a twin run (``hosts/lab/twin.py``)."""
+    return stream_seed(seed, micro_step)
 
 
 def seed_micro_step(seed: int, micro_step: int) -> None:
@@ -383,35 +389,57 @@ def _validate(result: LoraResult, lora_model: torch.nn.Module, validate: Validat
 
 
 @torch.no_grad()
+def native_validation_losses(
+    model: LabDiT,
+    lora: dict[str, torch.Tensor] | None,
+    val_set: list[dict],
+    seed: int,
+    sigmas: tuple[float, ...] = VAL_SIGMAS,
+    draws: int = 1,
+) -> torch.Tensor:
+    """Per-item velocity MSE on the native grid, ``[crops, σ, draws]``: every crop of ``val_set``
+    (its batches in order) at each fixed σ with ``draws`` noise draws of its own, with ΔW merged into
+    the base weights (``lora=None``: the base model). Each (batch, σ, draw) noise comes from a private
+    generator seeded by (``seed``, batch, σ index, draw), so a point of a validation curve is a pure
+    function of the adapter, and the items' spread is the validation set's own sampling error."""
+    if draws < 1 or not sigmas:
+        raise ValueError(f"native validation needs draws >= 1 and at least one σ (got {draws}, {sigmas})")
+    weights = {}
+    if lora:
+        params = dict(model.named_parameters())
+        weights = {f"{name}.weight": params[f"{name}.weight"] + delta for name, delta in lora.items()}
+    text_encoder = LabTextEncoder(model.cfg)
+    per_batch = []
+    for i, batch in enumerate(val_set):
+        x = batch["latents"]
+        b, s, d = x.shape[0], len(sigmas), draws
+        noise = torch.stack([
+            torch.randn(x.shape, generator=torch.Generator().manual_seed(stream_seed(VALIDATION_STREAM, seed, i, j, k)))
+            for j in range(s) for k in range(d)
+        ], dim=1)  # [B, S·D, C, h, w]  # fmt: skip
+        sigma = torch.tensor(sigmas, dtype=x.dtype).repeat_interleave(d)  # [S·D], σ index major as in noise
+        clean = x[:, None].expand_as(noise)
+        noisy = (1 - sigma[None, :, None, None, None]) * clean + sigma[None, :, None, None, None] * noise
+        rows = b * s * d  # one forward for the whole bucket: every crop, σ and draw
+        l_pooled, t5_out, txt_ids, _ = text_encoder.encode(batch["class_ids"].repeat_interleave(s * d))
+        packed_h, packed_w = x.shape[2] // 2, x.shape[3] // 2
+        kwargs = dict(
+            img=flux_utils.pack_latents(noisy.reshape(rows, *x.shape[1:])), img_ids=flux_utils.prepare_img_ids(rows, packed_h, packed_w),
+            txt=t5_out, txt_ids=txt_ids, y=l_pooled, timesteps=sigma.repeat(b),
+        )  # fmt: skip
+        pred = flux_utils.unpack_latents(functional_call(model, weights, args=(), kwargs=kwargs), packed_h, packed_w)
+        target = (noise - clean).reshape(rows, *x.shape[1:])
+        per_batch.append(((pred - target) ** 2).mean(dim=(1, 2, 3)).reshape(b, s, d))
+    return torch.cat(per_batch)
+
+
 def native_validation_loss(
     model: LabDiT,
     lora: dict[str, torch.Tensor] | None,
     val_set: list[dict],
     seed: int,
     sigmas: tuple[float, ...] = VAL_SIGMAS,
+    draws: int = 1,
 ) -> float:
-    """Velocity MSE on the native grid at fixed σ values and fixed noise (per batch, from ``seed``),
-    with ΔW merged into the base weights (``lora=None``: the base model)."""
-    weights = {}
-    if lora:
-        params = dict(model.named_parameters())
-        weights = {f"{name}.weight": params[f"{name}.weight"] + delta for name, delta in lora.items()}
-    text_encoder = LabTextEncoder(model.cfg)
-    total, count = 0.0, 0
-    for i, batch in enumerate(val_set):
-        x = batch["latents"]
-        noise = torch.randn(x.shape, generator=torch.Generator().manual_seed(seed * 1_000_003 + i))
-        l_pooled, t5_out, txt_ids, _ = text_encoder.encode(batch["class_ids"])
-        packed_h, packed_w = x.shape[2] // 2, x.shape[3] // 2
-        img_ids = flux_utils.prepare_img_ids(x.shape[0], packed_h, packed_w)
-        for sigma in sigmas:
-            noisy = (1 - sigma) * x + sigma * noise
-            kwargs = dict(
-                img=flux_utils.pack_latents(noisy), img_ids=img_ids, txt=t5_out, txt_ids=txt_ids, y=l_pooled,
-                timesteps=torch.full((x.shape[0],), sigma),
-            )  # fmt: skip
-            pred = functional_call(model, weights, args=(), kwargs=kwargs)
-            pred = flux_utils.unpack_latents(pred, packed_h, packed_w)
-            total += F.mse_loss(pred, noise - x).item()
-            count += 1
-    return total / count
+    """The mean of :func:`native_validation_losses`: every crop, σ and draw weighs the same."""
+    return native_validation_losses(model, lora, val_set, seed, sigmas, draws).mean().item()

@@ -23,6 +23,12 @@ def _add_map_arguments(group: argparse.ArgumentParser) -> None:
     group.add_argument("--native_size", default="64x64", help="probe latent HxW in lab cells, 4 px each (default 64x64: 1024 tokens)")
     group.add_argument("--rank", type=int, default=4, help="LoRA rank (default 4)")
     group.add_argument("--warm_steps", type=int, default=30, help="native warm-up steps of the adapter (default 30; 0: peft init, B = 0)")
+    group.add_argument(
+        "--task",
+        default="corpus",
+        help="what the probes and the adapter's warm-up see: corpus (the pretraining corpus, default) or concept "
+        "(the hatched posters, new to the base model: lab/concept.py)",
+    )
 
 
 def _native_size(text: str) -> tuple[int, int]:
@@ -37,7 +43,12 @@ def _prepare_map(args: argparse.Namespace, arms: Sequence[Arm]) -> tuple[list[st
 
     try:
         cfg = LabMapConfig(
-            quick=args.quick, native_hw=_native_size(args.native_size), rank=args.rank, warm_steps=args.warm_steps, seed=args.seed
+            quick=args.quick,
+            native_hw=_native_size(args.native_size),
+            rank=args.rank,
+            warm_steps=args.warm_steps,
+            seed=args.seed,
+            task=args.task,
         )
     except ValueError as err:
         return [str(err)], None, {}, []
@@ -46,6 +57,7 @@ def _prepare_map(args: argparse.Namespace, arms: Sequence[Arm]) -> tuple[list[st
         f"--native_size {args.native_size}",
         f"--rank {args.rank}",
         f"--warm_steps {args.warm_steps}",
+        f"--task {args.task}",
     ]
     build = lambda: LabBackend(cfg, images=args.images, progress=not args.no_progress)  # noqa: E731
     return lab_problems(cfg, arms), build, {"lab": describe_config(cfg)}, words
@@ -69,7 +81,7 @@ register_source(
         flag="lab",
         help="measure on the built-in lab DiT",
         add_arguments=_add_map_arguments,
-        options=("quick", "native_size", "rank", "warm_steps"),
+        options=("quick", "native_size", "rank", "warm_steps", "task"),
         prepare=_prepare_map,
     )
 )

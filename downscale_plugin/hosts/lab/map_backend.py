@@ -49,6 +49,7 @@ from ...fasterdit.policies import policy_factor, shift_sigma
 from ...fasterdit.positions import positions_scope
 from ...fasterdit.stats import Moments
 from ...grid import area_downsample, target_grid, tokens
+from ...lab.concept import TASKS
 from ...lab.data import FACTOR
 from ...mapping.arms import SMALL_KINDS, Arm
 from ...rng import forked, seed_forked
@@ -71,7 +72,8 @@ class LabMapConfig:
     warm_batch: int = 2
     seed: int = 0
     arch: str = "flux"
-    data: Any = field(default=None, compare=False)  # a LabData to reuse; None = build the default
+    task: str = "corpus"  # lab.concept.TASKS: the probes and warm-up come from the pretraining corpus or the concept
+    data: Any = field(default=None, compare=False)  # the pretraining LabData to reuse; None = build the default
 
 
 @dataclass(frozen=True)
@@ -96,10 +98,10 @@ def select_probes(data: Any, n: int, native_hw: tuple[int, int], seed: int) -> l
     used: set[int] = set()
     for step in range(200 * n):
         batch = data.batch(step, 1, seed + PROBE_STREAM, pixels=True)
-        lat, source = batch["latents"], int(batch["class_ids"][0])
+        lat, source = batch["latents"], int(batch["sources"][0])
         # Distinct source images first (a map over many crops of one photo says little); repeats
         # only once every source is in.
-        if lat.shape[-2] < h or lat.shape[-1] < w or (source in used and len(used) < data.num_classes):
+        if lat.shape[-2] < h or lat.shape[-1] < w or (source in used and len(used) < data.num_sources):
             continue
         used.add(source)
         rng = np.random.default_rng([seed, step, PROBE_STREAM])
@@ -121,7 +123,7 @@ def lab_problems(cfg: LabMapConfig, arms: list[Arm] | tuple[Arm, ...]) -> list[s
     h, w = cfg.native_hw
     if h < arch.multiple or w < arch.multiple or h % arch.multiple or w % arch.multiple:
         return [f"native size: {h}x{w} latent cells must be positive multiples of {arch.multiple} ({arch.name})"]
-    problems = []
+    problems = [] if cfg.task in TASKS else [f"task: {cfg.task!r} is not a lab task (allowed: {', '.join(TASKS)})"]
     for arm in arms:
         if arm.kind in SMALL_KINDS and target_grid(cfg.native_hw, arm.ratio, arch) is None:
             problems.append(
@@ -141,6 +143,7 @@ class LabBackend:
 
     def __init__(self, cfg: LabMapConfig, images: int, progress: bool = True) -> None:
         from ...lab import flux_train_utils, flux_utils
+        from ...lab.concept import task_data
         from ...lab.data import LabData, LabDataConfig
         from ...lab.model import LabModelConfig, LabTextEncoder, build_model
         from ...lab.pretrain import DEFAULT, QUICK, cache_key, load_or_pretrain
@@ -153,11 +156,12 @@ class LabBackend:
         self.arch = get_arch(cfg.arch)
         self.flux_utils = flux_utils  # the module whose ``prepare_img_ids`` the trainer calls (positions scope)
         model_cfg = cfg.model or LabModelConfig()
-        data = cfg.data or LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
+        base = cfg.data or LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
+        data = task_data(cfg.task, base)
         self.probes = select_probes(data, images, cfg.native_hw, cfg.seed)
         if cfg.pretrained:
-            self.model = load_or_pretrain(model_cfg, quick=cfg.quick, progress=progress, data=data)
-            self.identity = f"lab:{cache_key(model_cfg, QUICK if cfg.quick else DEFAULT, data)}"  # the cached weights' key
+            self.model = load_or_pretrain(model_cfg, quick=cfg.quick, progress=progress, data=base)
+            self.identity = f"lab:{cache_key(model_cfg, QUICK if cfg.quick else DEFAULT, base)}"  # the cached weights' key
         else:
             self.model = build_model(model_cfg, cfg.seed).requires_grad_(False)
             self.identity = f"lab:random-init:{cfg.seed}"
@@ -173,7 +177,8 @@ class LabBackend:
         self.warm_losses = self._warm_up(data) if cfg.warm_steps > 0 else []
         for probe in self.probes:
             probe["text_encoder_outputs_list"] = self.text_encoder.encode(probe["class_ids"])
-        self._data_desc = f"lab corpus ({len(data.names)} sources: {', '.join(data.names)})"
+        corpus = "lab corpus" if data is base else f"lab concept '{cfg.task}', new to the base model"
+        self._data_desc = f"{corpus} ({len(data.names)} sources: {', '.join(data.names)})"
         family = FlowFamily(flux_train_utils, "flux")
         self.sampler = family.bind(self.args, self.noise_scheduler, self.probes[0]["latents"], self.accelerator.device, torch.float32)
         with forked():

@@ -182,16 +182,17 @@ def certify_safe(x: np.ndarray, level: float | np.ndarray, looks: Looks = LOOKS)
     c_last = np.array([c_of[lv][0] for lv in levels])
     sd_low = {n: math.sqrt((n - 1) / stats.chi2.ppf(FUTILITY_SD_CONFIDENCE, n - 1)) for n in looks.at}
     open_, safe = np.ones(len(x), bool), np.zeros(len(x), bool)
-    for n in looks.at:
-        m, sd = x[:, :n].mean(1), x[:, :n].std(1, ddof=1)
-        c_now = np.array([c_of[lv][1][n] for lv in levels])
-        upper, lower = m + c_now * sd / math.sqrt(n), m - looks.t(n) * sd / math.sqrt(n)
-        below = upper < MARGIN
-        if n >= looks.first_safe:
-            safe |= open_ & below
-            open_ &= ~below
-        futile = m + c_last * sd_low[n] * sd / math.sqrt(looks.last) >= MARGIN
-        open_ &= below | ~((lower > MARGIN) | (n >= looks.last) | futile)
+    with np.errstate(invalid="ignore"):  # c = inf (a level the calibration cannot resolve) × sd = 0: NaN, never safe
+        for n in looks.at:
+            m, sd = x[:, :n].mean(1), x[:, :n].std(1, ddof=1)
+            c_now = np.array([c_of[lv][1][n] for lv in levels])
+            upper, lower = m + c_now * sd / math.sqrt(n), m - looks.t(n) * sd / math.sqrt(n)
+            below = upper < MARGIN
+            if n >= looks.first_safe:
+                safe |= open_ & below
+                open_ &= ~below
+            futile = m + c_last * sd_low[n] * sd / math.sqrt(looks.last) >= MARGIN
+            open_ &= below | ~((lower > MARGIN) | (n >= looks.last) | futile)
     return safe
 
 

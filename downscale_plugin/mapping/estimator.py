@@ -262,6 +262,7 @@ def collect(
                     cell.cos[f"{ref}|{arm.name}"] = _cos(ref_square, square, grad_dot(ref_full, full))
                 if arm.kind == "native":
                     natives[arm.name] = (full, square)
+                del full  # a route's sum is not alive while the next arm draws
             cells.append(cell)
             bar.update(1)
     bar.close()
@@ -395,7 +396,8 @@ def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, setti
     for key in (key for chain in family_chains(arms, bins) for key in chain):  # in each chain's order: levels pass on
         mean, se, n, _ = _mean_se([excess(c, key[0]) for c in cells if c.bin == key[1]])
         level = family.level(key)
-        ub = mean + safe_quantile(level, n, settings.margin) * se if n >= 2 and math.isfinite(se) else math.inf
+        c = safe_quantile(level, n, settings.margin)
+        ub = mean + c * se if n >= 2 and math.isfinite(se) and math.isfinite(c) else math.inf
         safe_reads[key] = (ub, level)
         family.settle(key, ub < settings.margin)
     by_bin: dict[int, list[Cell]] = {}

@@ -62,9 +62,9 @@ def safe_quantile(level: float, n: int, margin: float) -> float:
     calibration resolves (1 / :data:`CALIBRATION_DRAWS`): no evidence certifies there."""
     if not 0.0 < level < 0.5 or n < 2:
         return math.inf
-    rank = math.floor((1.0 - level) * CALIBRATION_DRAWS)
-    if rank >= CALIBRATION_DRAWS:
+    if level * CALIBRATION_DRAWS < 1.0:
         return math.inf
+    rank = min(math.floor((1.0 - level) * CALIBRATION_DRAWS), CALIBRATION_DRAWS - 1)
     return float(max(t[rank] for t in _studentized(n, round(margin, 12))))
 
 

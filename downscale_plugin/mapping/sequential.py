@@ -215,7 +215,12 @@ def read(values: Sequence[float], looks: Looks, level: float, margin: float) -> 
     if n < 2:
         return Bound(n, mean, sd, -math.inf, math.inf, level)
     half = sd / math.sqrt(n)
-    return Bound(n, mean, sd, mean - looks.t(n) * half, mean + looks.c_safe(n, level, margin) * half, level)
+    return Bound(n, mean, sd, mean - looks.t(n) * half, _above(mean, looks.c_safe(n, level, margin), half), level)
+
+
+def _above(mean: float, c: float, half: float) -> float:
+    """mean + c·half; +inf when c is (a level the calibration cannot resolve), whatever the spread."""
+    return math.inf if math.isinf(c) else mean + c * half
 
 
 SAFE, UNSAFE, FUTILE, INCONCLUSIVE = "safe", "unsafe", "futile", "inconclusive"
@@ -238,7 +243,7 @@ def verdict(bound: Bound, margin: float, looks: Looks, level: float) -> str | No
     if bound.n >= looks.last:
         return INCONCLUSIVE
     sd_low = bound.sd * math.sqrt((bound.n - 1) / _chi2_quantile(FUTILITY_SD_CONFIDENCE, bound.n - 1))
-    projected = bound.mean + looks.c_safe(looks.last, level, margin) * sd_low / math.sqrt(looks.last)
+    projected = _above(bound.mean, looks.c_safe(looks.last, level, margin), sd_low / math.sqrt(looks.last))
     return FUTILE if projected >= margin else None
 
 

@@ -22,14 +22,16 @@ HEAD_SHARE = 0.8  # a chain's first test's share of the chain's α; the rest, ha
 
 
 @lru_cache(maxsize=16)
-def _law_scale(law: tuple[str, float], margin: float) -> float:
-    """k such that min(k·X, TRIM) has mean ``margin`` for X of ``law`` (bisection on a fixed sample)."""
+def _law_scale(law: tuple[str, float], margin: float) -> tuple[float, float]:
+    """(k, μ): k such that min(k·X, TRIM) has mean ``margin`` for X of ``law`` (bisection on a fixed sample), and
+    that mean as reached on the sample (the μ the studentized statistic is centred on)."""
     x = _law_draws(law, (1 << 20,), np.random.default_rng(0xCA11B))
-    lo, hi = 1e-9, 1e3
-    for _ in range(100):
+    lo, hi = 1e-15, 1e6
+    for _ in range(200):
         k = math.sqrt(lo * hi)
         lo, hi = (lo, k) if np.minimum(k * x, TRIM).mean() > margin else (k, hi)
-    return math.sqrt(lo * hi)
+    k = math.sqrt(lo * hi)
+    return k, float(np.minimum(k * x, TRIM).mean())
 
 
 def _law_draws(law: tuple[str, float], size: tuple[int, ...], rng: np.random.Generator) -> np.ndarray:
@@ -46,12 +48,12 @@ def _studentized(n: int, margin: float) -> tuple[np.ndarray, ...]:
     """Per reference law, the sorted (μ − x̄)/(s/√n) of :data:`CALIBRATION_DRAWS` probe sets of n at mean μ = ``margin``."""
     out = []
     for law in REFERENCE_LAWS:
-        rng, k, parts = np.random.default_rng(0x5AFE + n), _law_scale(law, margin), []
+        (k, mu), rng, parts = _law_scale(law, margin), np.random.default_rng(0x5AFE + n), []
         for start in range(0, CALIBRATION_DRAWS, 50_000):
             x = np.minimum(k * _law_draws(law, (min(50_000, CALIBRATION_DRAWS - start), n), rng), TRIM)
             sd = x.std(1, ddof=1)
             with np.errstate(divide="ignore", invalid="ignore"):
-                parts.append(np.where(sd > 0, (margin - x.mean(1)) / (sd / math.sqrt(n)), math.inf))
+                parts.append(np.where(sd > 0, (mu - x.mean(1)) / (sd / math.sqrt(n)), math.inf))
         out.append(np.sort(np.concatenate(parts)))
     return tuple(out)
 

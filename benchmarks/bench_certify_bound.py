@@ -130,12 +130,14 @@ def resampled(values: np.ndarray, name: str) -> Population:
 # -- the estimator ------------------------------------------------------------------------------------------
 
 
-def estimates(gaps: np.ndarray, rho: float, rng: np.random.Generator, draws: int = 4, dim: int = 200, q: int = 60) -> np.ndarray:
+def estimates(
+    gaps: np.ndarray, rho: float, rng: np.random.Generator, kappa: float = 1.0, draws: int = 4, dim: int = 200, q: int = 60
+) -> np.ndarray:
     """ê per image of true gaps ``gaps`` (any shape): D paired draws of a synthetic gradient (unit native mean,
-    route mean of norm 0.9 at cosine 1 − gap, per-draw noise of the signal's norm in a q-dim subspace, the
+    route mean of norm 0.9 at cosine 1 − gap, per-draw noise of κ × the signal's norm in a q-dim subspace, the
     route's noise ρ-correlated with the native's), ê from the three U-statistics, clipped as the certifier clips."""
     flat, out = gaps.reshape(-1), []
-    basis = rng.standard_normal((q, dim)) / math.sqrt(q * dim)
+    basis = kappa * rng.standard_normal((q, dim)) / math.sqrt(q * dim)
     for start in range(0, len(flat), 4000):
         g = flat[start : start + 4000]
         mu = rng.standard_normal((len(g), dim))
@@ -275,28 +277,13 @@ def bias_table(rng: np.random.Generator, reps: int) -> dict[str, dict[str, float
     for kappa in (0.5, 1.0, 1.5, 2.0):
         for rho in (0.5, 0.7, 0.9):
             gaps = np.full(reps, MARGIN)
-            values = _scaled_noise_estimates(gaps, rho, kappa, rng)
+            values = estimates(gaps, rho, rng, kappa)
             table[f"κ {kappa:g}, ρ {rho:g}"] = {
                 "mean ê": float(values.mean()),
                 "bias": float(values.mean() - MARGIN),
                 "sd ê": float(values.std()),
             }
     return table
-
-
-def _scaled_noise_estimates(gaps: np.ndarray, rho: float, kappa: float, rng: np.random.Generator) -> np.ndarray:
-    """``estimates`` with the per-draw noise κ × the signal's norm: the same model, the noise basis scaled."""
-    draws, dim, q = 4, 200, 60
-    basis = kappa * rng.standard_normal((q, dim)) / math.sqrt(q * dim)
-    mu = rng.standard_normal((len(gaps), dim))
-    mu /= np.linalg.norm(mu, axis=1, keepdims=True)
-    ortho = rng.standard_normal((len(gaps), dim))
-    ortho -= (ortho * mu).sum(1, keepdims=True) * mu
-    ortho /= np.linalg.norm(ortho, axis=1, keepdims=True)
-    cos = 1.0 - gaps[:, None]
-    route = 0.9 * (cos * mu + np.sqrt(1.0 - cos * cos) * ortho)
-    xi, eta = rng.standard_normal((2, len(gaps), draws, q))
-    return u_excess(mu[:, None] + xi @ basis, route[:, None] + (rho * xi + math.sqrt(1.0 - rho * rho) * eta) @ basis)
 
 
 def probe_table(pops: dict[str, Population], rng: np.random.Generator, reps: int) -> dict[str, dict[str, float]]:

@@ -324,7 +324,7 @@ def revision() -> str:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--reps", type=int, default=1000, help="simulated runs per population (default 1000: minutes on one core)")
+    p.add_argument("--reps", type=int, default=500, help="simulated runs per population (default 500: a few minutes on one core)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="", help="write bound.txt and bound.json here")
     args = p.parse_args()

@@ -141,3 +141,19 @@ def test_the_maps_windows_are_family_wise_where_its_plain_t_per_bin_was_not():
     assert np.mean(new) <= 0.05 and np.mean(old) > 0.5
     simultaneous = summarize(_cells(np.full((len(bins), 16), 0.001), len(bins)), arms, bins, MapSettings(simultaneous=True, images=16))
     assert all(r.level == pytest.approx(0.05 / len(bins)) for r in simultaneous) and all(r.safe for r in simultaneous)
+
+
+def test_evidence_read_under_another_safe_rule_is_not_continued():
+    """A saved certify.json records the safe read's rule with its looks; evidence certified under another rule
+    (the lab study's, docs/fidelity/certify) is refused by --resume, naming the looks."""
+    import json
+
+    from downscale_plugin.bins import DEFAULT_BINS
+    from downscale_plugin.mapping.certify import CertifySettings
+    from downscale_plugin.mapping.certify_cli import resume_problems
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "fidelity" / "certify" / "seed0" / "certify.json"
+    blob = json.loads(path.read_text())
+    routes = [latent_arm(r) for r in (0.875, 0.75, 0.5)]
+    problems = resume_problems(blob, CertifySettings(), parse_bins(DEFAULT_BINS), routes)
+    assert len(problems) == 1 and problems[0].startswith("resume: looks is") and "safe_read" in problems[0]

@@ -55,6 +55,7 @@ from ..rng import forked, seed_forked
 from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, param_grads
 from .paired import coupled_small_noise, injected_noise
+from .safe_read import SAFE_READ
 from .sequential import SAFE, Bound, Family, Grads, Looks, PairedSums, describe_safe_read, read, verdict
 from .windows import measured_tiers, probe_header, render_windows, stack_windows, tier_entries, utc_now
 
@@ -120,7 +121,7 @@ def token_fraction(small: tuple[int, ...], native: tuple[int, ...]) -> float:
 
 def looks_json(looks: Looks) -> dict[str, Any]:
     """A look schedule as ``certify.json`` records it (and a resumed result must match)."""
-    return {"at": list(looks.at), "alpha": looks.alpha, "safe_from": looks.first_safe}
+    return {"at": list(looks.at), "alpha": looks.alpha, "safe_from": looks.first_safe, "safe_read": SAFE_READ}
 
 
 def _key(*parts: int) -> int:

@@ -18,6 +18,7 @@ TRIM = 1.5  # |excess| beyond this is an estimator failure, not a gap (anchor: 3
 
 REFERENCE_LAWS = (("lognormal", 1.5), ("lomax", 1.5))  # the calibration suite's heaviest laws (module docstring)
 CALIBRATION_DRAWS = 400_000  # probe sets per law: a level ≥ 1.25e-3 rests on ≥ 500 of them in its tail
+SAFE_READ = "mean + c·sd/√n, c: lognormal 1.5 / Lomax 1.5 clipped to ±TRIM; fallback chains, head 0.8"  # recorded with the looks
 HEAD_SHARE = 0.8  # a chain's first test's share of the chain's α; the rest, halving, below it (:class:`Family`)
 
 

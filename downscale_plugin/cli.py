@@ -251,7 +251,7 @@ def _run_check(args: argparse.Namespace) -> int:
         print(
             f"  mode map: map_out {cfg.map.out}, after_map {cfg.after_map}, ratios {', '.join(f'{r:g}' for r in cfg.map.ratios)}, "
             f"bins {cfg.map.bins}, draws {cfg.map.draws}, images {cfg.map.images}, margin {cfg.map.margin:g}"
-            f"{', Bonferroni' if cfg.map.simultaneous else ''}; the routes come from the map"
+            f", false-safe ≤ 0.05 family-wise{' (Bonferroni)' if cfg.map.simultaneous else ''}; the routes come from the map"
         )
     elif cfg.mode == "auto":
         c = cfg.certify

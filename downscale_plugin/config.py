@@ -150,7 +150,7 @@ class MapConfig:
     draws: int = _key(8, "int", (2, 4096), "noise draws per arm and bin (even)")
     images: int = _key(8, "int", (2, None), "probe samples from the run's first batches")
     margin: float = _key(0.05, "float", (0.0, 1.0), "the margin ε a safe bin's upper bound must stay below")
-    simultaneous: bool = _key(False, "bool", help="bounds simultaneous over all bins of an arm")
+    simultaneous: bool = _key(False, "bool", help="Bonferroni over every (route, bin) instead of chains from σ = 1 down (both family-wise)")
     out: str | None = _key(None, "str", help="directory for the map's files")
     reenc: bool = _key(False, "bool", help="add the VAE re-encode control arm")
     pixel: bool = _key(False, "bool", help="add the pixel-downscale-then-encode arms")

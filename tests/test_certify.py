@@ -25,7 +25,7 @@ from downscale_plugin.mapping.certify import (
     windows_toml,
 )
 from downscale_plugin.mapping.paired import NoiseNotDrawn, coupled_small_noise, downsample_covariance_sqrt, injected_noise, whitened_filter
-from downscale_plugin.mapping.sequential import FUTILE, SAFE, SKEW_SHARE, UNSAFE, Looks, paired_excess, read, u_inner, verdict
+from downscale_plugin.mapping.sequential import FUTILE, SAFE, UNSAFE, Looks, paired_excess, read, safe_quantile, u_inner, verdict
 
 # -- paired noise -------------------------------------------------------------------------------------
 
@@ -176,8 +176,8 @@ def _sequential_test(gap: float, seed: int, margin: float = 0.05, looks: Looks =
         while len(values) < n:
             i = len(values)
             values.append(paired_excess(source.native(i, 0), source.route(i, 0, ROUTE)))
-        bound = read(values, looks)
-        found = verdict(bound, margin, looks)
+        bound = read(values, looks, looks.alpha, margin)
+        found = verdict(bound, margin, looks, looks.alpha)
         if found is not None:
             break
     true = float(np.mean([source.true_gap[ROUTE.name, 0, i] for i in range(looks.last)]))
@@ -192,8 +192,8 @@ def test_coverage_under_optional_stopping_and_false_safe_rate_are_within_alpha()
     print(f"gap = ε: false-safe rate {false_safe:.3f}, coverage of the stopped upper bound {coverage:.3f} (α = 0.05, 200 bins)")
     assert false_safe <= 0.05
     assert coverage >= 0.95
-    safe_runs = [_sequential_test(0.01, seed) for seed in range(60)]
-    assert np.mean([v == SAFE for v, _, _ in safe_runs]) > 0.9  # and a clearly safe bin is certified
+    safe_runs = [_sequential_test(0.005, seed) for seed in range(60)]
+    assert np.mean([v == SAFE for v, _, _ in safe_runs]) > 0.75  # and a clearly safe bin (ε/10) is certified, mostly
 
 
 def test_a_skewed_probe_pool_is_never_certified_from_a_first_look_that_missed_its_tail():
@@ -208,14 +208,14 @@ def test_a_skewed_probe_pool_is_never_certified_from_a_first_look_that_missed_it
         for _ in range(2000):
             order = rng.permutation(pool)
             for n in looks.at:
-                found = verdict(read(order[:n].tolist(), looks), 0.05, looks)
+                found = verdict(read(order[:n].tolist(), looks, 0.05, 0.05), 0.05, looks, 0.05)
                 if found is not None:
                     safe += found == SAFE
                     break
         return safe / 2000
 
-    early = false_safe(Looks(safe_from=4))  # what a safe read at every look did
-    assert early > 0.1
+    early = false_safe(Looks(safe_from=4))  # what a safe read at every look did (here with the heavy-tail c)
+    assert early > 0.05
     assert false_safe(DEFAULT_LOOKS) == 0.0 and DEFAULT_LOOKS.first_safe == 16
 
 
@@ -223,26 +223,29 @@ def test_a_skewed_probe_pool_is_never_certified_from_a_first_look_that_missed_it
 LAB_EXCESS = [0.0263, 0.0305, 0.0067, 0.1082, 0.0144, 0.0488, 0.0197, 0.0119, 0.0459, 0.0042, 0.0024, 0.0086, 0.021, 0.0094, 0.0051, 0.0433]
 
 
-def test_the_safe_read_holds_alpha_on_the_labs_skewed_excess_and_spends_it_only_where_safe_can_be_read():
-    """Probe sets drawn from a population shaped like the lab's excess, its mean scaled just above ε: the t bound
-    at α/3 (Bonferroni over three looks, of which only the last may read safe) declares it safe 8-9 % of the
-    time; the safe read now (t at α × SKEW_SHARE, spent on that one look) stays under α (docs/FIDELITY.md §9.5)."""
+def test_the_safe_read_holds_its_level_on_the_labs_skewed_excess_and_spends_it_only_where_safe_can_be_read():
+    """Probe sets drawn from a population shaped like the lab's excess, its mean scaled just above ε, read at a route's
+    share of the family (α/3): the t bound at that level declares it safe 8-9 % of the time; the safe read now (c
+    calibrated on heavy tails) stays under its level (docs/FIDELITY.md §9.5). A level is split over the looks that
+    may read safe."""
     population = np.array(LAB_EXCESS) * (1.01 * 0.05 / np.mean(LAB_EXCESS))
     draws = np.random.default_rng(0).choice(population, size=(3000, 16))
     old = draws.mean(1) + stats.t.ppf(1 - 0.05 / 3, 15) * draws.std(1, ddof=1) / 4
     assert np.mean(old < 0.05) > 0.07
-    assert np.mean([read(row.tolist(), DEFAULT_LOOKS).upper < 0.05 for row in draws]) <= 0.05
-    assert DEFAULT_LOOKS.safe_looks == (16,) and DEFAULT_LOOKS.safe_level == pytest.approx(0.05 * SKEW_SHARE)
-    assert Looks((4, 8, 16), safe_from=8).safe_level == pytest.approx(0.05 * SKEW_SHARE / 2)
+    assert np.mean([read(row.tolist(), DEFAULT_LOOKS, 0.05 / 3, 0.05).upper < 0.05 for row in draws]) <= 0.05 / 3
+    assert DEFAULT_LOOKS.safe_looks == (16,) and DEFAULT_LOOKS.c_safe(16, 0.01, 0.05) == safe_quantile(0.01, 16, 0.05)
+    assert Looks((4, 8, 16), safe_from=8).c_safe(16, 0.01, 0.05) == safe_quantile(0.005, 16, 0.05)
 
 
 def test_verdicts_at_a_look():
     looks = Looks((4, 8), 0.05, safe_from=4)
-    assert verdict(read([0.0, 0.01, 0.0, 0.01], looks), 0.05, looks) == SAFE
-    assert verdict(read([0.0, 0.01, 0.0, 0.01], Looks((4, 8), 0.05)), 0.05, Looks((4, 8), 0.05)) is None  # safe only at the last
-    assert verdict(read([0.5, 0.51, 0.5, 0.49], looks), 0.05, looks) == UNSAFE
-    assert verdict(read([0.3, -0.1, 0.4, 0.0], looks), 0.05, looks) == FUTILE
-    assert verdict(read([0.01, 0.0, 0.03, 0.0], looks), 0.05, looks) is None  # open: might still settle
+    assert verdict(read([0.0, 0.002, 0.0, 0.002], looks, 0.05, 0.05), 0.05, looks, 0.05) == SAFE
+    later = Looks((4, 8), 0.05)
+    assert verdict(read([0.0, 0.002, 0.0, 0.002], later, 0.05, 0.05), 0.05, later, 0.05) is None  # safe only at the last
+    assert verdict(read([0.5, 0.51, 0.5, 0.49], looks, 0.05, 0.05), 0.05, looks, 0.05) == UNSAFE
+    assert verdict(read([0.3, -0.1, 0.4, 0.0], looks, 0.05, 0.05), 0.05, looks, 0.05) == FUTILE
+    assert verdict(read([0.01, 0.0, 0.02, 0.0], later, 0.05, 0.05), 0.05, later, 0.05) is None  # open: might still settle
+    assert verdict(read([0.01, 0.0, 0.02, 0.0], later, 1e-4, 0.05), 0.05, later, 1e-4) == FUTILE  # at a smaller level it cannot
     with pytest.raises(ValueError, match="strictly increasing"):
         Looks((4, 4))
     with pytest.raises(ValueError, match="safe_from 5 must be one of the looks"):
@@ -261,7 +264,7 @@ def _profile(route: str, top_down: list[float]) -> dict[tuple[str, int], float]:
 def test_search_runs_top_down_stops_at_the_edge_and_spot_checks_below():
     mild, deep = latent_arm(0.875), latent_arm(0.5)
     gaps = {**_profile(mild.name, [0.005, 0.005, 0.3, 0.3, 0.3]), **_profile(deep.name, [0.3, 0.3, 0.3, 0.3, 0.3])}
-    source = SyntheticDraws(gaps, 16, rho=0.9, seed=5)
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=5, spread=0.005)  # images alike: the search's mechanics, not the bound's power
     settings = CertifySettings(budget=10_000, spot_checks=1)
     result = run_certify(source, [mild, deep], BINS, settings, mass=lambda lo, hi: hi - lo)
     mild_rows = {t.bin: t for t in result.rows(mild)}
@@ -279,7 +282,7 @@ def test_a_safe_spot_check_below_the_edge_is_reported_and_never_routed():
     """A route safe at the top, unsafe in the middle, safe again at the bottom: the bottom spot check is a
     monotonicity violation in the notes and the result, and the windows TOML routes the top only."""
     gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
-    source = SyntheticDraws(gaps, 16, rho=0.9, seed=8)
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005)
     result = run_certify(source, [ROUTE], BINS, CertifySettings(budget=10_000, spot_checks=2), mass=lambda lo, hi: hi - lo)
     rows = {t.bin: t for t in result.rows(ROUTE)}
     assert rows[4].safe and rows[0].spot and rows[0].verdict == SPOT_SAFE and not rows[0].safe  # evidence, never a safe bin
@@ -479,7 +482,9 @@ def test_a_run_refuses_windows_certified_for_another_model_unless_told_to_warn(c
 
 def test_spot_checks_are_reported_as_spot_checks_never_as_safe_bins():
     gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
-    result = run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=8), [ROUTE], BINS, CertifySettings(budget=10_000), lambda lo, hi: hi - lo)
+    result = run_certify(
+        SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005), [ROUTE], BINS, CertifySettings(budget=10_000), lambda lo, hi: hi - lo
+    )
     blob = result.to_json()
     assert not any(row["safe"] for row in blob["bins"] if row["spot_check"])
     assert blob["safe_bins"] == 1 and [t.bin for t in result.safe_tests()] == [4]

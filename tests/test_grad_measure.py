@@ -1,4 +1,4 @@
-"""The measurement's gradient (``estimator.flat_grad``) through the hosts' checkpointing and compile: every trainable
+"""The measurement's gradient (``estimator.param_grads``) through the hosts' checkpointing and compile: every trainable
 parameter's gradient, the same as without, and every ``.grad`` and the optimizer's state as they were.
 
 The checkpointers are the hosts': ``torch.utils.checkpoint`` reentrant (sd-scripts' SDXL UNet, ``USE_REENTRANT = True``)
@@ -12,9 +12,14 @@ import torch
 import torch.utils.checkpoint
 from torch import nn
 
-from downscale_plugin.mapping.estimator import flat_grad
+from downscale_plugin.mapping.estimator import param_grads
 
 pytestmark = pytest.mark.usefixtures("host_doubles")
+
+
+def flat_grad(loss, params):
+    """The measured gradient as one float64 CPU vector (``param_grads`` per parameter, concatenated)."""
+    return torch.cat([g.reshape(-1) for g in param_grads(loss, params)]).to("cpu", torch.float64)
 
 
 class Lora(nn.Module):

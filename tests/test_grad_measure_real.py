@@ -1,4 +1,4 @@
-"""The measurement's gradient (``estimator.flat_grad``) through sd-scripts' own checkpointing code (skipped unless
+"""The measurement's gradient (``estimator.param_grads``) through sd-scripts' own checkpointing code (skipped unless
 ``SD_SCRIPTS_DIR`` points at an sd-scripts checkout, main 48d368fa): SDXL's ``ResnetBlock2D`` under
 ``--gradient_checkpointing`` (``torch.utils.checkpoint`` at ``USE_REENTRANT = True``, library/sdxl_original_unet.py), with
 an adapter outside the checkpoints upstream of them (as the Transformer2DModel's ``proj_in`` is), and Anima's ``unsloth_checkpoint`` (library/anima_models.py), each around sd-scripts' ``networks.lora.LoRAModule``.
@@ -15,10 +15,15 @@ import pytest
 import torch
 from torch import nn
 
-from downscale_plugin.mapping.estimator import flat_grad
+from downscale_plugin.mapping.estimator import param_grads
 
 SD_SCRIPTS_DIR = os.environ.get("SD_SCRIPTS_DIR")
 pytestmark = pytest.mark.skipif(not SD_SCRIPTS_DIR, reason="set SD_SCRIPTS_DIR to an sd-scripts checkout (main 48d368fa)")
+
+
+def flat_grad(loss, params):
+    """The measured gradient as one float64 CPU vector (``param_grads`` per parameter, concatenated)."""
+    return torch.cat([g.reshape(-1) for g in param_grads(loss, params)]).to("cpu", torch.float64)
 
 
 @pytest.fixture(scope="module")

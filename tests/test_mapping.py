@@ -91,13 +91,17 @@ def test_collect_is_deterministic_given_a_seed():
     assert [x.cos for x in a] != [x.cos for x in c]
 
 
-def test_verdict_uses_the_one_sided_upper_bound():
+def test_verdict_uses_the_safe_read_at_the_tests_level():
+    from downscale_plugin.mapping.sequential import safe_quantile
+
     backend, _, settings = _synthetic_cells()
     bins = parse_bins("0,1")
     tight = run_map(backend, ARMS, bins, settings, progress=False)
     row = tight.row(ROUTE.name, 0)
     assert row.n == 24 and row.trimmed == 0
-    assert row.excess < row.ub < row.excess + 2.1 * row.se  # t(0.95, 23) = 1.71
+    assert row.level == settings.alpha  # one arm, one bin: the whole family's α
+    c = safe_quantile(settings.alpha, 24, settings.margin)
+    assert row.ub == pytest.approx(row.excess + c * row.se) and c > 2 * 1.71  # t(0.95, 23) = 1.71: heavier tails cost more
     assert row.safe == (row.ub < settings.margin)
     strict = run_map(backend, ARMS, bins, MapSettings(margin=0.05, draws=8, images=24), progress=False)
     assert not strict.row(ROUTE.name, 0).safe
@@ -495,4 +499,4 @@ def test_vs_plain_is_recomputed_from_the_cells_by_from_json(tmp_path, capsys):
     rows = {r["arm"]: r for r in json.loads((tmp_path / "out" / "map.json").read_text())["rows"]}
     assert rows["latent_0.75@res_shift"]["vs_plain"] == pytest.approx(-0.12) and rows["latent_0.75"]["vs_plain"] is None
     header = (tmp_path / "out" / "map.csv").read_text().splitlines()[0].split(",")
-    assert header[-5:] == ["vs_plain", "vs_plain_se", "vs_plain_lo", "vs_plain_hi", "vs_plain_n"]
+    assert header[-6:] == ["vs_plain", "vs_plain_se", "vs_plain_lo", "vs_plain_hi", "vs_plain_n", "level"]

@@ -226,8 +226,9 @@ def test_a_map_without_windows_leaves_training_bitwise_the_hosts(arch, tmp_path,
 
 def test_map_then_train_routes_with_the_derived_windows_and_says_so_in_the_metadata(tmp_path, steps):
     calls = steps("flux")
-    argv = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "8", "--seed", "3", "--output_dir", str(tmp_path / "out"))
-    config = map_config(tmp_path, after_map="train", map_margin=0.99, map_draws=4, map_images=4)
+    argv = ("--resolution", RES, "--train_batch_size", "2", "--max_train_steps", "8", "--seed", "3", "--output_dir", str(tmp_path / "out"),
+            "--dataset_size", "8")  # fmt: skip
+    config = map_config(tmp_path, after_map="train", map_margin=0.99, map_draws=4, map_images=8)  # 4 probes certify nothing
     run = run_double("flux", *argv, downscale=config).last_run
     state = run.network.downscale_run
     derived = load_config(plugin_toml=toml.load(tmp_path / "map" / "windows.toml"))
@@ -239,7 +240,7 @@ def test_map_then_train_routes_with_the_derived_windows_and_says_so_in_the_metad
         meta = f.metadata()
     assert json.loads(meta["ss_downscale_routes"]) == toml.load(tmp_path / "map" / "windows.toml")["routes"]
     recorded = json.loads(meta["ss_downscale_map"])
-    assert recorded["before_train_batch"] == 2 and recorded["probes"] == 4 and recorded["windows"]
+    assert recorded["before_train_batch"] == 4 and recorded["probes"] == 8 and recorded["windows"]
 
 
 @pytest.mark.parametrize(

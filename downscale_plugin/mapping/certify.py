@@ -55,7 +55,8 @@ from ..rng import forked, seed_forked
 from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, param_grads
 from .paired import coupled_small_noise, injected_noise
-from .sequential import SAFE, SKEW_SHARE, Bound, Grads, Looks, PairedSums, read, verdict
+from .safe_read import SAFE_READ
+from .sequential import SAFE, Bound, Family, Grads, Looks, PairedSums, describe_safe_read, read, verdict
 from .windows import measured_tiers, probe_header, render_windows, stack_windows, tier_entries, utc_now
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
@@ -120,7 +121,7 @@ def token_fraction(small: tuple[int, ...], native: tuple[int, ...]) -> float:
 
 def looks_json(looks: Looks) -> dict[str, Any]:
     """A look schedule as ``certify.json`` records it (and a resumed result must match)."""
-    return {"at": list(looks.at), "alpha": looks.alpha, "safe_from": looks.first_safe, "safe_level": looks.safe_level}
+    return {"at": list(looks.at), "alpha": looks.alpha, "safe_from": looks.first_safe, "safe_read": SAFE_READ}
 
 
 def _key(*parts: int) -> int:
@@ -286,15 +287,17 @@ class CertifyResult:
                         "verdict": t.verdict,
                         "safe": t.safe,  # a spot check never is: its safe read is "spot-safe"
                         "spot_check": t.spot,
-                        "bound": None if b is None else {"mean": b.mean, "sd": b.sd, "lower": b.lower, "upper": b.upper, "n": b.n},
+                        "bound": None
+                        if b is None
+                        else {"mean": b.mean, "sd": b.sd, "lower": b.lower, "upper": b.upper, "n": b.n, "level": b.level},
                         "evidence": {"images": t.images, "excess": t.values},
                         "value": t.value,
                         "cost": t.cost,
                     }
                 )
         return {
-            "method": "certify: paired noise, U-statistic cosine gap, t confidence sequence (safe read at α/20 on the last look), "
-            "top-down search",
+            "method": "certify: paired noise, U-statistic cosine gap, looks (safe read on the last: mean + c·sd/√n, c calibrated on "
+            "heavy tails, at each test's level of fallback chains per route, family-wise α), top-down search",
             "provenance": self.provenance,
             "settings": {**asdict(s), "looks": looks_json(s.looks)},
             "bins_spec": {"edges": list(self.bins.edges), "endpoint": self.bins.endpoint},
@@ -416,10 +419,17 @@ class Certifier:
                 self.out_of_budget = True
                 return
         for t in group:
-            t.bound = read(t.values, looks)
-            t.verdict = verdict(t.bound, self.settings.margin, looks)
+            t.bound = read(t.values, looks, self._level(t), self.settings.margin)
+            t.verdict = verdict(t.bound, self.settings.margin, looks, self._level(t))
             if t.spot and t.verdict == SAFE:
                 t.verdict = SPOT_SAFE
+            elif t.verdict is not None and not t.spot:
+                self.family.settle((t.route, t.bin), t.safe)
+
+    def _level(self, t: BinTest) -> float:
+        """The test's false-safe level: its share of the run's family (``sequential.Family``); a spot check, never
+        routed, is read at α."""
+        return self.settings.looks.alpha if t.spot else self.family.level((t.route, t.bin))
 
     def _pick(self, open_tests: list[BinTest]) -> list[BinTest]:
         """The (bin, count) group with the largest value per pass; search tests before spot checks."""
@@ -437,6 +447,11 @@ class Certifier:
 
     def run(self) -> list[BinTest]:
         ladder = self.top_down()
+        chains = [[(a.name, b) for b in ladder] for a in self.routes]
+        self.family = Family(chains, self.settings.looks.alpha)
+        for route, b in (key for chain in chains for key in chain):  # a resumed run's safe tests pass their level on again
+            if (prior := self.prior.get((route, b, False))) is not None and prior.safe:
+                self.family.settle((route, b), True)
         position = {a.name: 0 for a in self.routes}  # index into ladder of each route's current bin
         current = {a.name: self._new_test(a, ladder[0]) for a in self.routes} if ladder else {}
         spots_queued = False
@@ -462,11 +477,11 @@ class Certifier:
                 continue
             for t in group:
                 t.verdict = stop
-                t.bound = read(t.values, self.settings.looks) if len(t.values) >= 2 else None
+                t.bound = read(t.values, self.settings.looks, self._level(t), self.settings.margin) if len(t.values) >= 2 else None
         for t in self.tests:
             if t.open:
                 t.verdict = BUDGET
-                t.bound = read(t.values, self.settings.looks) if len(t.values) >= 2 else None
+                t.bound = read(t.values, self.settings.looks, self._level(t), self.settings.margin) if len(t.values) >= 2 else None
         if self.out_of_budget or any(t.verdict == BUDGET for t in self.tests):
             self.notes.append(f"budget of {self.settings.budget:g} native-step equivalents reached; open tests end 'budget' (not safe)")
         unpaid = [f"{t.route} {self.bins.label(t.bin)}" for t in self.tests if t.verdict == COST]
@@ -542,7 +557,11 @@ def load_tests(blob: dict[str, Any]) -> list[BinTest]:
         if row["verdict"] == UNTESTED:
             continue
         b = row["bound"]
-        bound = None if b is None else Bound(b["n"], *(math.inf if b[k] is None else b[k] for k in ("mean", "sd", "lower", "upper")))
+        bound = (
+            None
+            if b is None
+            else Bound(b["n"], *(math.inf if b[k] is None else b[k] for k in ("mean", "sd", "lower", "upper")), b.get("level", math.nan))
+        )
         evidence = row["evidence"]
         tests.append(
             BinTest(
@@ -597,9 +616,7 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
         "# downscale-plugin windows, written by the certifier (certify).",
         *described,
         f"# paired draws D = {s.draws} per (image, bin), looks at {list(s.looks.at)} images, seed {s.seed}; bins: {result.bins.spec()}",
-        f"# margin ε = {s.margin:g}; safe = one-sided t upper bound of the mean paired U-statistic excess < ε at level "
-        f"{s.looks.safe_level:g} (α = {s.looks.alpha:g} × {SKEW_SHARE:g} for skewed per-image values), read on "
-        f"{s.looks.first_safe} distinct probe images; untested bins and "
+        f"# margin ε = {s.margin:g}; {describe_safe_read(s.looks, s.margin)}; untested bins and "
         "spot checks below a route's edge are not routed",
         f"# cost: {result.spent:.1f} native-step equivalents (budget {s.budget:g}); date: {date}",
         f"# command: {command or '?'}",
@@ -613,7 +630,7 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
     header += [f"# note: {n}" for n in (*stack.notes, *result.notes, *unscoped)]
     method = (
         f"certify (paired noise, D = {s.draws}, looks {list(s.looks.at)}, safe from {s.looks.first_safe} images, "
-        f"safe at one-sided t level {s.looks.safe_level:g})"
+        f"heavy-tail calibrated safe read, false-safe ≤ {s.looks.alpha:g} family-wise)"
     )
     images = max((len(t.values) for t in result.tests), default=0) or None
     return render_windows(backend, stack, header, method, s.margin, images, date, routes=routes)

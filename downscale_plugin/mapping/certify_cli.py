@@ -47,7 +47,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--ratios", default="0.875,0.75,0.5", help="route linear ratios, comma-separated (default 0.875,0.75,0.5)")
     parser.add_argument("--bins", default=DEFAULT_BINS, help=f"σ bins, as for map (default {DEFAULT_BINS}, with the σ = 1 bin)")
     parser.add_argument("--margin", type=float, default=0.05, help="ε: a bin is safe when its anytime-valid upper bound < ε (default 0.05)")
-    parser.add_argument("--alpha", type=float, default=0.05, help="one-sided level of the confidence sequence (default 0.05)")
+    parser.add_argument("--alpha", type=float, default=0.05, help="family-wise false-safe level over every route and bin (default 0.05)")
     parser.add_argument("--draws", type=int, default=4, help="paired draws per (image, bin), >= 2 (default 4)")
     parser.add_argument(
         "--looks", default="4,8,16", help="image counts at which a bin's bound is read; the last is the image pool (default 4,8,16)"
@@ -273,14 +273,13 @@ def _cell(t: Any) -> str:
 def console_table(result: Any, source: Any) -> str:
     """Bins from σ = 1 down, routes across: verdict, mean estimate, upper bound, images; spot checks and scope."""
     from .certify import scope_text
+    from .sequential import describe_safe_read
 
     s = result.settings
     width = 30
     head = f"{'σ bin':<16}" + "".join(f"{a.name:>{width}}" for a in result.routes)
     lines = [
-        f"certify: paired U-statistic excess, mean ≤ one-sided t UB (looks {list(s.looks.at)}; safe read on {s.looks.first_safe} "
-        f"probes at level {s.looks.safe_level:g}, α = {s.looks.alpha:g} for skewed excess), "
-        f"ε = {s.margin:g}, D = {s.draws}",
+        f"certify: paired U-statistic excess, looks {list(s.looks.at)}; {describe_safe_read(s.looks, s.margin)}; D = {s.draws}",
         head,
         "-" * len(head),
     ]

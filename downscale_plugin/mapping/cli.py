@@ -85,8 +85,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--images", type=int, default=8, help="N: probe images (default 8)")
     parser.add_argument("--margin", type=float, default=0.05, help="ε: a bin is safe when its upper bound < ε (default 0.05)")
-    parser.add_argument("--alpha", type=float, default=0.05, help="one-sided level of the upper bound (default 0.05: 95%%)")
-    parser.add_argument("--simultaneous", action="store_true", help="Bonferroni over each route's bins (the anchor's window rule)")
+    parser.add_argument("--alpha", type=float, default=0.05, help="family-wise false-safe level over every arm and bin (default 0.05)")
+    parser.add_argument(
+        "--simultaneous",
+        action="store_true",
+        help="Bonferroni over every (arm, bin) instead of fallback chains from σ = 1 down (both family-wise)",
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default="map_out", help="output directory (default map_out)")

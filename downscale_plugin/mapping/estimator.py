@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -44,8 +44,7 @@ from tqdm.auto import tqdm
 from ..bins import SigmaBins
 from ..rng import forked, seed_forked
 from .arms import NATIVE_A, NATIVE_B, PLAIN, Arm, MapBackend, plain_sibling
-
-TRIM = 1.5  # |excess| beyond this is an estimator failure, not a gap (anchor: 36-40 of 40 kept)
+from .safe_read import TRIM, Family, safe_quantile
 
 
 class MapInputError(ValueError):
@@ -58,8 +57,9 @@ class MapInputError(ValueError):
 
 @dataclass(frozen=True)
 class MapSettings:
-    """Sample sizes and the verdict: a bin is safe when its one-sided (1−α) upper bound < ``margin``
-    (cosine-distance units); ``simultaneous`` = Bonferroni over a route's bins."""
+    """Sample sizes and the verdict: a bin is safe when its safe read's upper bound < ``margin`` (cosine-distance
+    units), false-safe ≤ ``alpha`` family-wise over every arm and bin (:func:`map_family`); ``simultaneous``:
+    Bonferroni over them all instead of chains from σ = 1 down."""
 
     margin: float = 0.05
     draws: int = 8
@@ -124,9 +124,23 @@ def arm_key(arm: Arm) -> int:
     return zlib.crc32(arm.name.encode())
 
 
-def _cos(x: torch.Tensor, y: torch.Tensor) -> float:
-    den = float(x.norm() * y.norm())
-    return float(torch.dot(x, y)) / den if den > 0 else math.nan
+Grads = Sequence[torch.Tensor]  # one draw's gradient: a tensor per adapter parameter, on that parameter's device
+
+
+def grad_dot(xs: Grads, ys: Grads) -> float:
+    """Σ_k ⟨x_k, y_k⟩ over per-parameter tensors, each summed in float64 on its own device (products in
+    float32 or wider); one host sync per device, no copy of a gradient leaves its device."""
+    per_device: dict[torch.device, list[torch.Tensor]] = {}
+    for x, y in zip(xs, ys, strict=True):
+        wide = torch.promote_types(x.dtype, torch.float32)
+        per_device.setdefault(x.device, []).append((x.to(wide) * y.to(wide)).sum(dtype=torch.float64))
+    return math.fsum(float(torch.stack(parts).sum()) for parts in per_device.values())
+
+
+def _cos(xx: float, yy: float, xy: float) -> float:
+    """⟨x, y⟩ / (‖x‖·‖y‖) from the three inner products; NaN when a norm is 0."""
+    den = math.sqrt(xx * yy)
+    return xy / den if den > 0 else math.nan
 
 
 @dataclass
@@ -138,22 +152,6 @@ class Cell:
     half_cos: dict[str, float]  # arm -> cos(even-draw sum, odd-draw sum)
     cos: dict[str, float]  # "native_a|arm" / "native_b|arm" -> cos of the full D-draw sums
     norm: dict[str, float]  # arm -> ‖D-draw sum‖ / D
-
-
-def make_cell(image: int, bin_: int, halves: dict[str, tuple[torch.Tensor, torch.Tensor]], draws: int) -> Cell:
-    full = {name: h0 + h1 for name, (h0, h1) in halves.items()}
-    cos = {}
-    for ref in (NATIVE_A, NATIVE_B):
-        for name in full:
-            if name != ref and not (ref == NATIVE_B and name == NATIVE_A):
-                cos[f"{ref}|{name}"] = _cos(full[ref], full[name])
-    return Cell(
-        image=image,
-        bin=bin_,
-        half_cos={name: _cos(h0, h1) for name, (h0, h1) in halves.items()},
-        cos=cos,
-        norm={name: float(v.norm()) / draws for name, v in full.items()},
-    )
 
 
 def reliability(half_cos: float) -> float:
@@ -230,11 +228,6 @@ def param_grads(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> lis
     return [(g if g is not None else torch.zeros_like(p)).detach() for g, p in zip(grads, params, strict=True)]
 
 
-def flat_grad(loss: torch.Tensor, params: Sequence[torch.nn.Parameter]) -> torch.Tensor:
-    """d loss / d params as one float64 CPU vector (the map keeps two half-sums per arm of one cell)."""
-    return torch.cat([g.reshape(-1) for g in param_grads(loss, params)]).to("cpu", torch.float64)
-
-
 def collect(
     backend: MapBackend,
     arms: Sequence[Arm],
@@ -246,9 +239,12 @@ def collect(
 
     Noise is seeded per (image, bin, arm, draw) and σ per (image, bin, draw): all arms of a cell
     see the same σ values, each with its own noise (arms on different grids cannot share noise).
+    Memory: each draw is added to its arm's half-sum as it is taken (:func:`half_sums`); a cell keeps the two
+    native arms' full sums and the current arm's two half-sums, whatever the number of arms, images and bins.
     """
     check_inputs(arms, bins, settings)
     params = check_backend(backend, arms, settings)
+    ordered = sorted(arms, key=lambda a: a.kind != "native")  # the natives first: every other arm is compared with them
     cells: list[Cell] = []
     bar = tqdm(total=settings.images * len(bins), desc="map", unit="cell", disable=not progress)
     for image in range(settings.images):
@@ -257,20 +253,54 @@ def collect(
             bar.set_postfix(image=image, bin=bins.label(b))
             jitter = [float(np.random.default_rng(_seed(settings.seed, image, b, d, 0x51)).random()) for d in range(settings.draws)]
             sigmas = bins.sigmas(b, jitter)
-            halves = {}
-            for arm in arms:
-                acc = [None, None]
-                for d, sigma in enumerate(sigmas):
-                    with forked(backend.rng_devices):
-                        seed_forked(_seed(settings.seed, image, b, arm_key(arm), d), backend.rng_devices)
-                        loss = backend.loss(image, inputs[arm.name], sigma)
-                    flat = flat_grad(loss, params)
-                    acc[d % 2] = flat if acc[d % 2] is None else acc[d % 2] + flat
-                halves[arm.name] = (acc[0], acc[1])
-            cells.append(make_cell(image, b, halves, settings.draws))
+            natives: dict[str, tuple[list[torch.Tensor], float]] = {}  # native arm -> (its full sum, its squared norm)
+            cell = Cell(image, b, {}, {}, {})
+            for arm in ordered:
+                draws = _draws(backend, params, settings, image, b, arm, inputs[arm.name], sigmas)
+                full, square = half_sums(cell, arm.name, draws, settings.draws)
+                for ref, (ref_full, ref_square) in natives.items():
+                    cell.cos[f"{ref}|{arm.name}"] = _cos(ref_square, square, grad_dot(ref_full, full))
+                if arm.kind == "native":
+                    natives[arm.name] = (full, square)
+                del full  # a route's sum is not alive while the next arm draws
+            cells.append(cell)
             bar.update(1)
     bar.close()
     return cells
+
+
+def _draws(
+    backend: MapBackend, params: Sequence[torch.nn.Parameter], settings: MapSettings, image: int, bin_: int, arm: Arm, arm_input: Any,
+    sigmas: Sequence[float],
+) -> Iterator[Grads]:  # fmt: skip
+    """One arm's D draws of one (image, bin), one at a time, each in a forked RNG seeded per (image, bin, arm, draw)."""
+    for d, sigma in enumerate(sigmas):
+        with forked(backend.rng_devices):
+            seed_forked(_seed(settings.seed, image, bin_, arm_key(arm), d), backend.rng_devices)
+            loss = backend.loss(image, arm_input, sigma)
+        yield param_grads(loss, params)
+
+
+def half_sums(cell: Cell, arm: str, draws: Iterable[Grads], count: int) -> tuple[list[torch.Tensor], float]:
+    """Reduce one arm's draws as they come (a generator: one draw alive at a time) to the two interleaved
+    half-sums (per parameter, float32 or wider, on the gradients' devices); record the half-sum cosine and
+    the mean norm in ``cell``; return the full sum (made in place of the even half) and its squared norm."""
+    halves: list[list[torch.Tensor]] = []
+    for d, grads in enumerate(draws):
+        if d < 2:
+            halves.append([g.to(torch.promote_types(g.dtype, torch.float32), copy=True) for g in grads])
+        else:
+            for total, g in zip(halves[d % 2], grads, strict=True):
+                total.add_(g)
+        del grads  # not alive while the next draw is taken
+    even, odd = halves
+    ee, oo, eo = grad_dot(even, even), grad_dot(odd, odd), grad_dot(even, odd)
+    cell.half_cos[arm] = _cos(ee, oo, eo)
+    for total, g in zip(even, odd, strict=True):
+        total.add_(g)
+    square = ee + oo + 2.0 * eo
+    cell.norm[arm] = math.sqrt(max(square, 0.0)) / count
+    return even, square
 
 
 @dataclass(frozen=True)
@@ -308,6 +338,7 @@ class BinResult:
     vs_plain_lo: float = math.nan  # two-sided (1−α) t interval
     vs_plain_hi: float = math.nan
     vs_plain_n: int = 0
+    level: float = math.nan  # the false-safe level ``ub`` was read at (its share of the map's α)
 
 
 def _mean_se(values: Sequence[float]) -> tuple[float, float, int, int]:
@@ -357,8 +388,18 @@ def paired(group: Sequence[Cell], arm: str, ref: str | None) -> tuple[float, flo
 
 
 def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, settings: MapSettings) -> list[BinResult]:
-    """Per compared arm and bin: paired excess statistics and the verdict ``ub < margin``."""
-    alpha = settings.alpha / len(bins) if settings.simultaneous else settings.alpha
+    """Per compared arm and bin: paired excess statistics and the verdict ``ub < margin``, ``ub`` the safe read
+    (``sequential.read``'s) at the test's level of :func:`map_family`: false-safe ≤ α over every arm and bin."""
+    alpha = settings.alpha
+    family = map_family(arms, bins, settings)
+    safe_reads = {}
+    for key in (key for chain in family_chains(arms, bins) for key in chain):  # in each chain's order: levels pass on
+        mean, se, n, _ = _mean_se([excess(c, key[0]) for c in cells if c.bin == key[1]])
+        level = family.level(key)
+        c = safe_quantile(level, n, settings.margin)
+        ub = mean + c * se if n >= 2 and math.isfinite(se) and math.isfinite(c) else math.inf
+        safe_reads[key] = (ub, level)
+        family.settle(key, ub < settings.margin)
     by_bin: dict[int, list[Cell]] = {}
     for cell in cells:
         by_bin.setdefault(cell.bin, []).append(cell)
@@ -370,7 +411,7 @@ def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, setti
             group = by_bin.get(b, [])
             mean, se, n, trimmed = _mean_se([excess(c, arm.name) for c in group])
             raw_mean, raw_se, _, _ = _mean_se([excess(c, arm.name, debias=False) for c in group])
-            ub = upper_bound(mean, se, n, alpha)
+            ub, level = safe_reads[arm.name, b]
             over = paired(group, arm.name, reenc)
             vs = paired(group, arm.name, plains.get(arm.name))
             vs_lo, vs_hi = interval(*vs[:3], alpha)
@@ -390,6 +431,7 @@ def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, setti
                     excess=mean,
                     se=se,
                     ub=ub,
+                    level=level,
                     raw_excess=raw_mean,
                     raw_se=raw_se,
                     floor_cos=_nanmean([c.cos[f"{NATIVE_A}|{NATIVE_B}"] for c in group]),
@@ -411,6 +453,21 @@ def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, setti
                 )
             )
     return rows
+
+
+def family_chains(arms: Sequence[Arm], bins: SigmaBins) -> list[list[tuple[str, int]]]:
+    """One chain per compared arm: its (arm, bin) tests from σ = 1 down (the endpoint bin first)."""
+    order = ([bins.n_segmented] if bins.endpoint else []) + list(range(bins.n_segmented - 1, -1, -1))
+    return [[(a.name, b) for b in order] for a in arms if a.compared]
+
+
+def map_family(arms: Sequence[Arm], bins: SigmaBins, settings: MapSettings) -> Family:
+    """The map's family of safe reads: fallback chains from σ = 1 down per compared arm (windows at the top
+    keep most of α), or with ``simultaneous`` Bonferroni over every (arm, bin) (no order: α/K each)."""
+    chains = family_chains(arms, bins)
+    if settings.simultaneous:
+        return Family.bonferroni([key for chain in chains for key in chain], settings.alpha)
+    return Family(chains, settings.alpha)
 
 
 @dataclass

@@ -1,4 +1,13 @@
-"""Sequential statistics of the certifier: a per-image paired estimate and an anytime-valid bound.
+"""Sequential statistics of the certifier: a per-image paired estimate, a safe read calibrated on heavy
+tails, and the family-wise levels of a run's safe reads.
+
+Interface (``certify.py`` and ``estimator.py`` read every bin through it):
+
+- ``read(values, looks, level, margin) -> Bound`` and ``verdict(bound, margin, looks, level)``: one test's
+  bound and verdict, its safe read at the one-sided false-safe ``level`` (that test's share of the family).
+- :class:`Family`: ``Family(chains, alpha)``, ``family.level(key)``, ``family.settle(key, safe)``,
+  ``Family.bonferroni(keys, alpha)``: turns the tests a run plans (chains of keys in a fixed order, one chain
+  per route) and the family-wise α into per-test levels.
 
 Per-image estimate. For one probe image and σ bin, D draws give native gradients n_d and, with paired
 noise (``paired.py``), route gradients r_d (σ_d drawn i.i.d. uniform in the bin, shared by the pair).
@@ -7,33 +16,40 @@ products of the population means, so the estimate of the map's estimand 1 − co
 
     ê = 1 − U(n, r) / √(U(n, n)·U(r, r)).
 
-No attenuation correction is needed (the map's Spearman–Brown debiasing, ``estimator.py``, corrects
-cosines of noisy sums; the U-statistics never pair a draw with itself), and so no second native arm:
-the redraw floor is 0 by construction. The map's debiased cosine would be wrong here: it assumes the
-arms' noises are independent, and paired noise would inflate ĉ(native, route), i.e. read as safer.
-Pairing pays through the correlated errors of the three U-statistics, which cancel in the ratio.
-A non-finite estimate (a non-positive U(x, x)) counts as :data:`~downscale_plugin.mapping.estimator.TRIM`,
-the worst value the map keeps: conservative, never dropped.
+No attenuation correction is needed (the U-statistics never pair a draw with itself), and so no second
+native arm. A non-finite estimate (a non-positive U(x, x)) counts as
+:data:`~downscale_plugin.mapping.estimator.TRIM`, conservative, never dropped; ê is clipped to ±TRIM, the
+true excess lies in [0, 2]. ê is a ratio of U-statistics and so not unbiased: its bias is second order in
+the draw noise, at most about Var(ê) in size, and low (optimistic) where the arms' noises are weakly
+coupled (docs/FIDELITY.md §9.5 measures it over pairing correlations 0.5–0.9). A safe read needs the
+per-image SD of ê below √n·ε/c, so where a bin can read safe the bias is a small fraction of ε; it is
+not corrected (a jackknife needs every draw kept, and at high noise it is unstable).
 
-Anytime-valid bound. Evidence arrives image by image and a bin stops as soon as its verdict is settled,
-so a fixed-n t bound would be read at a data-dependent time. :class:`Looks` makes it a confidence
-sequence over a look schedule n_1 < … < n_K. A bin may end ``safe`` only from ``Looks.safe_from`` images
-on (default: the last look, the full map's N); the earlier looks stop a bin only toward not-safe
-(``unsafe``, ``futile``), which no tail can make optimistic. So the false-safe level is spent only on the
-looks that can read safe (one by default), each at ``Looks.safe_level``; the lower bound behind
-``unsafe`` (an error there costs a window, never soundness) keeps α/K per look.
+Looks. Evidence arrives image by image and a bin stops as soon as its verdict is settled. A bin may end
+``safe`` only from ``Looks.safe_from`` images on (default: the last look); earlier looks stop it only
+toward not-safe (``unsafe``, ``futile``), which no tail can make optimistic, so a test's false-safe level is
+spent on its safe-readable looks alone (split equally over them). The lower bound behind ``unsafe`` (an
+error there costs a window, never soundness) is the t bound at α/K per look.
 
-Skewed per-image values. The t bound assumes per-image values roughly normal, and on real probes they
-are not: on the lab model a few textures carry 3–20 × the median excess (docs/FIDELITY.md §9.3). A
-probe set that draws few of them has a small mean *and* a small SD, so the t bound at level α declares
-such a bin safe 10–13 % of the time at a true mean just above ε, not 5 % (simulated on populations
-resampled from the lab's per-image excess, lognormal and Pareto tails: §9.5,
-``benchmarks/bench_certify_bound.py``). Bounds valid for any distribution on the estimator's range
-[−1.5, 1.5] (empirical Bernstein, betting) certify nothing at 16 probes and ε = 0.05: even 16 probes
-reading exactly 0 leave a betting bound at 0.26. The safe read therefore takes the t quantile at
-α × :data:`SKEW_SHARE`, the level at which the simulated false-safe rate on the lab's own shapes is
-≤ α. It is not distribution-free: a subpopulation of a few percent far above ε that no probe draws
-(37 % of the time at 6 %) is missed by any 16-probe rule.
+The safe read. Per-image excess is right-skewed (on the lab a few textures carry 3–20 × the median), and
+a probe set that misses the tail has a small mean *and* a small SD, so the normal t bound reads such a bin
+safe far more often than its level. Bounds valid for any law on the estimator's range certify nothing at
+16 probes and ε = 0.05 (one probe may carry 1.5 = 30 ε). The safe read is therefore the studentized bound
+mean + c·sd/√n with c = :func:`safe_quantile`: the (1 − level) quantile of (μ − x̄)/(s/√n) under the
+heaviest laws of the calibration suite (:data:`REFERENCE_LAWS`: lognormal s = 1.5 and a Lomax tail of
+index 1.5), each scaled to mean ε after clipping to the estimator's range. The false-safe rate is ≤ the
+level on those laws by construction and, as measured, on lighter ones (lognormal s ≤ 1.5, Pareto index
+≥ 1.5, the lab's own per-image sets). It is not distribution-free: when a few percent of images carry the
+mean, a probe set misses them all with probability (1 − p)^n, and any rule that certifies the rest of the
+population certifies the whole that often (docs/FIDELITY.md §9.5 tests where this fails).
+
+The family. A run reads many bins; the guarantee is family-wise: P(any window of the run false-safe) ≤ α.
+:class:`Family` is a Bonferroni-based fallback procedure (Wiens 2003; a graphical procedure, Bretz et al.
+2009): α is split over chains (a route's bins in the fixed order of the search), a test's level is its own
+share plus the level of the test before it in its chain when that one settled safe, so levels accumulate
+down a run of safe bins and a not-safe bin does not end its chain. Strong control holds under any
+dependence between the tests (same images, same draws) as long as the chains and weights are fixed
+before any evidence and each test is read safe at most at its level as it stands then.
 """
 
 from __future__ import annotations
@@ -47,7 +63,10 @@ import numpy as np
 import torch
 from scipy import stats
 
-from .estimator import TRIM
+from .estimator import Grads, grad_dot
+from .safe_read import TRIM, Family, safe_quantile
+
+__all__ = ["Family", "safe_quantile"]  # the family-wise levels live in safe_read.py (estimator.py reads them too)
 
 
 def u_inner(x: torch.Tensor, y: torch.Tensor) -> float:
@@ -70,19 +89,6 @@ def excess_of(nn: float, rr: float, nr: float) -> float:
         return TRIM
     value = 1.0 - nr / math.sqrt(nn * rr)
     return float(min(max(value, -TRIM), TRIM)) if math.isfinite(value) else TRIM
-
-
-Grads = Sequence[torch.Tensor]  # one draw's gradient: a tensor per adapter parameter, on that parameter's device
-
-
-def grad_dot(xs: Grads, ys: Grads) -> float:
-    """Σ_k ⟨x_k, y_k⟩ over per-parameter tensors, each summed in float64 on its own device (products in
-    float32 or wider); one host sync per device, no copy of a gradient leaves its device."""
-    per_device: dict[torch.device, list[torch.Tensor]] = {}
-    for x, y in zip(xs, ys, strict=True):
-        wide = torch.promote_types(x.dtype, torch.float32)
-        per_device.setdefault(x.device, []).append((x.to(wide) * y.to(wide)).sum(dtype=torch.float64))
-    return math.fsum(float(torch.stack(parts).sum()) for parts in per_device.values())
 
 
 class PairedSums:
@@ -136,12 +142,9 @@ class PairedSums:
         )
 
 
-SKEW_SHARE = 0.05  # the safe read's t level is α × this over the safe-readable looks (module docstring; FIDELITY.md §9.5)
-
-
 @dataclass(frozen=True)
 class Looks:
-    """A look schedule (images at which a bin's bound is read) and its one-sided level α."""
+    """A look schedule (images at which a bin's bound is read) and the lower bound's one-sided level α."""
 
     at: tuple[int, ...] = (4, 8, 16)
     alpha: float = 0.05
@@ -167,13 +170,8 @@ class Looks:
 
     @property
     def safe_looks(self) -> tuple[int, ...]:
-        """The looks that may read safe: the only ones the false-safe level is spent on."""
+        """The looks that may read safe: the only ones a test's false-safe level is spent on."""
         return tuple(k for k in self.at if k >= self.first_safe)
-
-    @property
-    def safe_level(self) -> float:
-        """The per-look one-sided level of the upper bound: α × :data:`SKEW_SHARE` over the safe-readable looks."""
-        return self.alpha * SKEW_SHARE / len(self.safe_looks)
 
     @property
     def last(self) -> int:
@@ -187,9 +185,9 @@ class Looks:
         """The lower bound's t quantile at n images."""
         return _t_quantile(1.0 - self.level, n - 1)
 
-    def t_safe(self, n: int) -> float:
-        """The upper bound's t quantile at n images."""
-        return _t_quantile(1.0 - self.safe_level, n - 1)
+    def c_safe(self, n: int, level: float, margin: float) -> float:
+        """The safe read's critical value at n images for a test at ``level`` (split over the safe-readable looks)."""
+        return safe_quantile(level / len(self.safe_looks), n, margin)
 
 
 @lru_cache(maxsize=256)
@@ -199,35 +197,43 @@ def _t_quantile(p: float, df: int) -> float:
 
 @dataclass(frozen=True)
 class Bound:
-    """One look's reading: mean, SD, the anytime-valid lower and upper bounds of the mean."""
+    """One look's reading: mean, SD, the lower bound (t) and the safe read's upper bound at ``level``."""
 
     n: int
     mean: float
     sd: float
     lower: float
     upper: float
+    level: float = math.nan  # the test's false-safe level the upper bound was read at
 
 
-def read(values: Sequence[float], looks: Looks) -> Bound:
-    """The bound after ``len(values)`` images (meant to be read at a look; valid there)."""
+def read(values: Sequence[float], looks: Looks, level: float, margin: float) -> Bound:
+    """The bound after ``len(values)`` images (meant to be read at a look; valid there), the safe read at ``level``."""
     n = len(values)
     mean = float(np.mean(values))
     sd = float(np.std(values, ddof=1)) if n > 1 else math.inf
     if n < 2:
-        return Bound(n, mean, sd, -math.inf, math.inf)
-    return Bound(n, mean, sd, mean - looks.t(n) * sd / math.sqrt(n), mean + looks.t_safe(n) * sd / math.sqrt(n))
+        return Bound(n, mean, sd, -math.inf, math.inf, level)
+    half = sd / math.sqrt(n)
+    return Bound(n, mean, sd, mean - looks.t(n) * half, _above(mean, looks.c_safe(n, level, margin), half), level)
+
+
+def _above(mean: float, c: float, half: float) -> float:
+    """mean + c·half; +inf when c is (a level the calibration cannot resolve), whatever the spread."""
+    return math.inf if math.isinf(c) else mean + c * half
 
 
 SAFE, UNSAFE, FUTILE, INCONCLUSIVE = "safe", "unsafe", "futile", "inconclusive"
 
 
-def verdict(bound: Bound, margin: float, looks: Looks) -> str | None:
+def verdict(bound: Bound, margin: float, looks: Looks, level: float) -> str | None:
     """The settled verdict at a look, or None to gather more evidence.
 
     ``safe``: the upper bound is below ε, read at ``looks.first_safe`` images or later (before that a
     bound below ε only asks for more images). ``unsafe``: the lower bound is above ε (confirmed).
-    ``futile``: were the mean and SD to stay, even the last look's bound would not reach ε, so more
-    images would buy nothing (only ever ends a bin unsafe: it cannot raise the false-safe rate).
+    ``futile``: were the mean to stay and the SD to fall to its 90 % lower confidence limit (a few images
+    estimate it badly), even the last look's bound at ``level`` would not reach ε, so more images would buy
+    nothing (only ever ends a bin not safe: it cannot raise the false-safe rate).
     ``inconclusive``: the last look passed without a verdict (not safe).
     """
     if bound.upper < margin:
@@ -236,5 +242,23 @@ def verdict(bound: Bound, margin: float, looks: Looks) -> str | None:
         return UNSAFE
     if bound.n >= looks.last:
         return INCONCLUSIVE
-    projected = bound.mean + looks.t_safe(looks.last) * bound.sd / math.sqrt(looks.last)
+    sd_low = bound.sd * math.sqrt((bound.n - 1) / _chi2_quantile(FUTILITY_SD_CONFIDENCE, bound.n - 1))
+    projected = _above(bound.mean, looks.c_safe(looks.last, level, margin), sd_low / math.sqrt(looks.last))
     return FUTILE if projected >= margin else None
+
+
+FUTILITY_SD_CONFIDENCE = 0.9  # ``futile`` projects with the SD's lower confidence limit at this level (``verdict``)
+
+
+@lru_cache(maxsize=256)
+def _chi2_quantile(p: float, df: int) -> float:
+    return float(stats.chi2.ppf(p, df))
+
+
+def describe_safe_read(looks: Looks, margin: float) -> str:
+    """One line for windows files, logs and banners: how a bin is read safe and at what family-wise α."""
+    return (
+        f"safe = mean + c·sd/√n < ε = {margin:g} on {looks.first_safe} distinct probe images, c the studentized quantile "
+        f"of the heavy reference laws (lognormal 1.5, Lomax 1.5) at each test's level; levels from the fallback chains "
+        f"(a route's bins from σ = 1 down): false-safe ≤ α = {looks.alpha:g} family-wise over routes and bins"
+    )

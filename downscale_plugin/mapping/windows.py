@@ -239,8 +239,9 @@ def windows_toml(result: MapResult, command: str = "", date: str | None = None, 
         *described,
         f"# D = {s.draws} draws per arm and bin, N = {s.images} images, seed {s.seed}",
         f"# bins: {result.bins.spec()}",
-        f"# margin ε = {s.margin:g}; safe = one-sided {100 * (1 - s.alpha):g}% t upper bound of the mean paired debiased "
-        f"excess over the native redraw floor < ε{' (Bonferroni over bins)' if s.simultaneous else ''}",
+        f"# margin ε = {s.margin:g}; safe = mean + c·sd/√N of the paired debiased excess over the native redraw floor < ε, c "
+        f"calibrated on heavy tails at each bin's level; false-safe ≤ {s.alpha:g} family-wise over every arm and bin "
+        f"({'Bonferroni' if s.simultaneous else 'fallback chains from σ = 1 down per arm'})",
         f"# date: {date}",
         f"# command: {command or '?'}",
         f"# routed steps run with sigma_policy = {setting[0]}, positions = {setting[1]} (arms: {', '.join(a.name for a in result.routes(setting))})",
@@ -252,6 +253,6 @@ def windows_toml(result: MapResult, command: str = "", date: str | None = None, 
             "# other arms, not routes here (another setting has its own windows@<setting>.toml; the plugin cannot run pixel arms):"
         )
         header += [f"#   {name}: {', '.join(w.text() for w in ws) or 'no window'}" for name, ws in others.items()]
-    method = f"map (N = {s.images}, D = {s.draws}, one-sided {100 * (1 - s.alpha):g}% t bound{', Bonferroni over bins' if s.simultaneous else ''})"
+    method = f"map (N = {s.images}, D = {s.draws}, heavy-tail calibrated safe read, false-safe ≤ {s.alpha:g} family-wise)"
     extra = dict(zip(("sigma_policy", "positions"), setting, strict=True)) if setting != PLAIN else None
     return render_windows(backend, stack, header, method, s.margin, s.images, date, extra)

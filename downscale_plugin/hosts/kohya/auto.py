@@ -130,8 +130,8 @@ class AutoSession(ProbeSession):
         return (
             f'  mode = "auto": the certifier runs when the first {self.images} training samples are in (batch {self.batches_needed}, '
             f"before its step); routes {', '.join(a.name for a in self.routes)}, σ bins {self.bins.spec()}, ε {s.margin:g}, "
-            f"paired D = {s.draws}, looks {list(s.looks.at)}, safe on {s.looks.first_safe} distinct probe images at t level "
-            f"{s.looks.safe_level:g}: at most {s.budget:.0f} {COST_UNIT} ({pct(self.run.cfg.certify.budget)} of the run's "
+            f"paired D = {s.draws}, looks {list(s.looks.at)}, safe on {s.looks.first_safe} distinct probe images, false-safe "
+            f"≤ {s.looks.alpha:g} family-wise: at most {s.budget:.0f} {COST_UNIT} ({pct(self.run.cfg.certify.budget)} of the run's "
             f"{self.run_passes} single-sample passes), none on a window that cannot pay it back over the run's later passes; "
             f"the windows serve only the tiers of the buckets the probes come from; outputs to {self.out_dir}"
             + (f"; continuing the evidence of {self.run.cfg.certify.resume}" if self.prior else "")

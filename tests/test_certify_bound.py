@@ -1,0 +1,159 @@
+"""The family-wise guarantee of the safe reads (docs/FIDELITY.md §9.5): the fallback chains' levels, the heavy-tail
+calibrated read, a fast version of bench_certify_bound.py's suite for the certifier and the map, and the bench's
+vectorised rule against the certifier's own."""
+
+from __future__ import annotations
+
+import importlib
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+from downscale_plugin.bins import parse_bins
+from downscale_plugin.mapping.arms import NATIVE_A, NATIVE_B, Arm, latent_arm
+from downscale_plugin.mapping.estimator import Cell, MapSettings, summarize
+from downscale_plugin.mapping.sequential import SAFE, Family, Looks, paired_excess, read, safe_quantile, verdict
+
+# The lab set whose resampled false-safe rate is the largest (docs/fidelity/lab_n64_d8_n16_pool, 16 per-image values).
+WORST_LAB_SET = [0.006, 0.006, 0.007, 0.012, 0.012, 0.024, 0.026, 0.027, 0.039, 0.04, 0.041, 0.064, 0.19, 0.253, 0.297, 0.593]
+
+
+@pytest.fixture(scope="module")
+def bench():
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
+    try:
+        return importlib.import_module("bench_certify_bound")
+    finally:
+        sys.path.pop(0)
+
+
+def test_family_levels_split_alpha_over_chains_and_pass_on_down_safe_runs():
+    family = Family([["a4", "a3", "a2"], ["b4"]], 0.05)
+    assert family.level("b4") == pytest.approx(0.025)  # a chain of one owns its route's share
+    assert family.level("a4") == pytest.approx(0.025 * 0.8) and family.level("a3") == pytest.approx(0.025 * 0.1)
+    assert sum(family.level(k) for k in ("a4", "a3", "a2", "b4")) == pytest.approx(0.05)  # Bonferroni before any verdict
+    family.settle("a4", True)
+    assert family.level("a3") == pytest.approx(0.025 * 0.9)  # a safe bin passes its level on
+    family.settle("a3", False)
+    assert family.level("a2") == pytest.approx(0.025 * 0.1)  # a not-safe bin passes nothing, the next keeps its own share
+    late = Family([["x", "y", "z"]], 0.05)
+    late.settle("y", True)  # read before the bin above it settled
+    late.settle("x", True)
+    assert late.level("z") == pytest.approx(0.05)  # x's level passes on past the settled y
+    assert Family.bonferroni(["p", "q", "r", "s"], 0.05).level("q") == pytest.approx(0.0125)
+    with pytest.raises(KeyError, match="not one of the planned tests"):
+        family.level("c")
+    with pytest.raises(ValueError, match="settled already"):
+        family.settle("a4", True)
+    with pytest.raises(ValueError, match="more than one place"):
+        Family([["a"], ["a"]], 0.05)
+    with pytest.raises(ValueError, match="one non-negative weight each"):
+        Family([["a", "b"]], 0.05, weights={0: [1.0]})
+
+
+def test_the_safe_read_is_calibrated_on_the_clipped_reference_laws():
+    """c holds its level on the reference laws by construction (a fresh sample here), falls with n, grows as the
+    level falls, and a level below what the calibration resolves certifies nothing."""
+    rng = np.random.default_rng(11)
+    for level in (0.05, 0.0133):
+        c = safe_quantile(level, 16, 0.05)
+        for draw in (lambda size: rng.lognormal(0.0, 1.5, size), lambda size: rng.pareto(1.5, size)):
+            x = draw((1 << 20,))
+            lo, hi = 1e-6, 1e3
+            for _ in range(80):
+                k = math.sqrt(lo * hi)
+                lo, hi = (lo, k) if np.minimum(k * x, 1.5).mean() > 0.0505 else (k, hi)
+            probes = np.minimum(k * draw((40_000, 16)), 1.5)  # mean 1.01 ε after clipping
+            rate = np.mean(probes.mean(1) + c * probes.std(1, ddof=1) / 4 < 0.05)
+            assert rate <= level * 1.25
+    assert safe_quantile(0.0133, 32, 0.05) < safe_quantile(0.0133, 16, 0.05) < safe_quantile(0.0017, 16, 0.05)
+    assert safe_quantile(1e-7, 16, 0.05) == math.inf and safe_quantile(0.05, 1, 0.05) == math.inf
+
+
+def test_the_benchs_vectorised_rule_is_the_certifiers_read_and_its_estimate_is_the_certifiers(bench):
+    rng = np.random.default_rng(3)
+    x = np.concatenate([0.05 * rng.lognormal(-1.0, 1.0, (150, 16)), rng.normal(0.02, 0.01, (150, 16))])
+    levels = rng.choice([0.05, 0.0133, 0.002], len(x))
+    looks = Looks()
+    own = []
+    for row, level in zip(x, levels, strict=True):
+        for n in looks.at:
+            found = verdict(read(row[:n].tolist(), looks, level, 0.05), 0.05, looks, level)
+            if found is not None:
+                break
+        own.append(found == SAFE)
+    assert np.array_equal(bench.certify_safe(x, levels), np.array(own)) and 0 < sum(own) < len(own)
+    draws = torch.randn(2, 5, 4, 30, generator=torch.Generator().manual_seed(0), dtype=torch.float64)
+    draws[1] = 0.8 * draws[0] + 0.6 * draws[1] + 1.0
+    draws[0] += 1.0
+    mine = bench.u_excess(draws[0].numpy(), draws[1].numpy())
+    assert mine == pytest.approx([paired_excess(draws[0, i], draws[1, i]) for i in range(5)])
+
+
+@pytest.mark.parametrize("population", ["lognormal 1.5", "pareto 1.5", "worst lab set"])
+def test_family_wise_false_safe_is_at_most_alpha_on_heavy_tails_where_the_rule_before_was_not(bench, population):
+    """A fast version of the bench's suite: 3 routes × 14 bins, every route's edge at 1.01 ε. The certifier's reads
+    (looks 4/8/16) and the map's single read, at the family's levels, keep the family-wise false-safe rate ≤ α; the
+    rules before (t at α/20 per test, stop at a route's first not-safe bin; the map's plain t at α per bin) did not."""
+    rng = np.random.default_rng(5)
+    if population == "worst lab set":
+        pop = bench.resampled(np.array(WORST_LAB_SET), population)
+    else:
+        pop = bench.Population(population, lambda g, size: bench.law_draws(population, g, size))
+    rates = bench.family_run(pop, "exact", rng, 300)
+    print(population, {k: round(v["family-wise false-safe"], 3) for k, v in rates.items()})
+    assert rates["certify now"]["family-wise false-safe"] <= 0.05 and rates["map now"]["family-wise false-safe"] <= 0.05
+    assert rates["certify before"]["family-wise false-safe"] > 0.1 and rates["map before"]["family-wise false-safe"] > 0.4
+    assert rates["certify now"]["power"] > 0.25  # and the truly safe bins (ε/8, ε/4, ε/2) are still certified
+
+
+def _cells(values: np.ndarray, bins: int) -> list[Cell]:
+    """Map cells whose debiased excess is ``values[bin, image]`` (halves in perfect agreement: reliability 1)."""
+    cells = []
+    for b in range(bins):
+        for i, e in enumerate(values[b]):
+            cos = {f"{NATIVE_A}|{NATIVE_B}": 1.0, f"{NATIVE_A}|latent_0.75": 1.0 - e, f"{NATIVE_B}|latent_0.75": 1.0 - e}
+            arms = (NATIVE_A, NATIVE_B, "latent_0.75")
+            cells.append(Cell(i, b, dict.fromkeys(arms, 1.0), cos, dict.fromkeys(arms, 1.0)))
+    return cells
+
+
+def test_the_maps_windows_are_family_wise_where_its_plain_t_per_bin_was_not():
+    """Every bin of a 15-bin map just above ε with a lognormal (s = 1.5) per-image excess: the plain t at α on each bin
+    (the map before) opens a false window in most maps; the map's family (chains from σ = 1 down) in at most α."""
+    bins = parse_bins("0,0.1,4:0.1,0.9,6:0.9,1,4")
+    arms = (Arm(NATIVE_A, "native"), Arm(NATIVE_B, "native"), latent_arm(0.75))
+    rng = np.random.default_rng(2)
+    scale = 0.0505 / math.exp(1.5**2 / 2)
+    new, old = [], []
+    for _ in range(60):
+        values = np.minimum(scale * rng.lognormal(0.0, 1.5, (len(bins), 16)), 1.5)
+        rows = summarize(_cells(values, len(bins)), arms, bins, MapSettings(margin=0.05, draws=8, images=16))
+        new.append(any(r.safe for r in rows))
+        t = values.mean(1) + 1.753 * values.std(1, ddof=1) / 4  # t(0.95, 15): the map's read before
+        old.append(bool(np.any(t < 0.05)))
+        assert sum(r.level for r in rows) == pytest.approx(0.05) or any(r.safe for r in rows)  # α split, none left over
+    print(f"maps with a false window: family {np.mean(new):.3f}, plain t per bin {np.mean(old):.3f}")
+    assert np.mean(new) <= 0.05 and np.mean(old) > 0.5
+    simultaneous = summarize(_cells(np.full((len(bins), 16), 0.001), len(bins)), arms, bins, MapSettings(simultaneous=True, images=16))
+    assert all(r.level == pytest.approx(0.05 / len(bins)) for r in simultaneous) and all(r.safe for r in simultaneous)
+
+
+def test_evidence_read_under_another_safe_rule_is_not_continued():
+    """A saved certify.json records the safe read's rule with its looks; evidence certified under another rule
+    (the lab study's, docs/fidelity/certify) is refused by --resume, naming the looks."""
+    import json
+
+    from downscale_plugin.bins import DEFAULT_BINS
+    from downscale_plugin.mapping.certify import CertifySettings
+    from downscale_plugin.mapping.certify_cli import resume_problems
+
+    path = Path(__file__).resolve().parent.parent / "docs" / "fidelity" / "certify" / "seed0" / "certify.json"
+    blob = json.loads(path.read_text())
+    routes = [latent_arm(r) for r in (0.875, 0.75, 0.5)]
+    problems = resume_problems(blob, CertifySettings(), parse_bins(DEFAULT_BINS), routes)
+    assert len(problems) == 1 and problems[0].startswith("resume: looks is") and "safe_read" in problems[0]

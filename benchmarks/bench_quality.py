@@ -1,410 +1,447 @@
-"""Quality dose-response on the lab DiT: the same adapter, sooner, measured with twins.
+"""The same adapter, sooner? Time to quality of routed LoRA fine-tunes on a concept new to the base.
 
-Per seed, every arm fine-tunes the pretrained lab DiT's LoRA as a twin of the native run
-(``hosts/lab/twin.py``): same init, data order, σ draws and noise (a routed step gets the paired
-transform of the native draw), so arm − native isolates what routing does. Each run logs the
-native-grid validation loss (one held-out set, fixed σ grid and noise, for every run) along the way
-against its cumulative training FLOPs (the project's FLOP model, ``flops.FlopModel`` with the lab
-DiT's shape) and its process CPU seconds (one torch thread: the wall proxy; other jobs on a shared
-machine do not inflate it). Routed arms keep training past the native step count until they have
-spent at least the native twin's FLOPs. Read-offs, per arm, as paired arm − native differences
-(positive = worse) with a 95 % t interval over seeds (``hosts/lab/quality.py``):
+Task (``lab/concept.py``): the pretrained lab DiT learns the "hatched posters", a concept it never
+saw (low-frequency layout and palette, plus a hatch and marks at the native latent grid's Nyquist
+period that no smaller grid can hold), captioned with a new text class. Validation: held-out posters
+only, ``--val_per_bucket`` crops per lab bucket × the four σ of ``VAL_SIGMAS`` ×
+``--val_draws`` noise draws each, native grid; every item's loss is stored.
 
-- equal steps: at the native run's step count;
-- equal compute: linearly interpolated on the run's (FLOPs, loss) curve at the native twin's FLOPs.
+Per seed, every arm is a twin of the native run (``hosts/lab/twin.py``: same adapter init, data
+order, σ draws and noise; a routed step gets the paired transform of the native draw), run to a
+compute budget in units of its native twin's training FLOPs over ``--steps`` steps (the project's
+FLOP model), validated when the FLOPs spent reach each 1/``--points`` of that unit. Routed arms run
+to 1.1 units (the control to 1): an arm more than 10 % slower than native to a target enters at its cap.
 
-Arms: ``native``; the lab map's windows at ε = 0.05, 0.1, 0.2, 0.3 (``docs/fidelity/quality/
-windows_eps*.toml``, re-derived from ``docs/fidelity/lab_n64_d8_n16/map.json``); ``seed_recipe`` (the
-demo's router, the seed paper's stacked routes); the negative controls ``all0.75`` and ``all0.5``
-(every step routed at that ratio). One σ sampler for all arms: the lab trainer's default, sd-scripts'
-recommended Flux recipe (``shift``, discrete_flow_shift 3.1582).
+Read-offs per seed, from the monotone (non-increasing least-squares) fit of each validation curve:
+native's improvement is base − its fitted end (its plateau: the last quarter's share of the
+improvement is reported); an arm's time to q % quality is the FLOPs (and CPU seconds, one torch
+thread) at which its fit first reaches base − q × that improvement, as a ratio to native's own. Over
+seeds: the geometric-mean ratio with a paired 95 % t interval on the log-ratios (and a bootstrap
+check), the seeds that reached the target within the arm's budget (the others enter at their cap: a
+lower bound), and the arm − native difference at equal compute (0.5, 0.75, 1 × native FLOPs) and at
+equal steps against a margin of a tenth of native's improvement.
 
-Resumable: one JSON per (arm, seed) under ``OUT/runs``; a run whose JSON exists (with the same
-settings) is skipped. The study (writes OUT/summary.json, OUT/report.md, OUT/quality.png):
+Arms: ``native``; the concept map's windows at ε = 0.05 … 0.3 (``docs/fidelity/quality/
+windows_eps*.toml``, re-derived from ``docs/fidelity/lab_concept_n64_d8_n16/map.json`` with the
+family-wise read; ε = 0.05 certifies no window, so that arm is the native run and is not run);
+``seed_recipe`` (the seed paper's uncertified stacked routes); ``all0.5`` (every step at half the
+grid: the positive control, which must show the loss).
+
+Runs are resumable (one JSON per (arm, seed) under OUT/runs) and each records the code revision and
+the uncommitted change of the files a run's figures depend on (``STUDY_PATHS``); a stored run whose
+figures could differ at the current code is stale and refused. The study:
 
     python benchmarks/bench_quality.py --jobs 2 --out docs/fidelity/quality
 
-``--report`` only aggregates what is there. A smoke run (~1 min): ``--quick --seeds 0 --steps 4
---arms native,all0.5 --out /tmp/q_smoke``.
+``--report`` only aggregates. Smoke (~2 min): ``--quick --seeds 0 --steps 8 --points 4 --arms native,all0.5 --out /tmp/q``.
 """
 
 from __future__ import annotations
 
 import argparse
-import itertools
+import hashlib
 import json
+import math
 import os
 import statistics
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
 WINDOWS = ROOT / "docs" / "fidelity" / "quality"
-EPS_ARMS = ("eps0.05", "eps0.1", "eps0.2", "eps0.3")
-ARMS = ("native", *EPS_ARMS, "seed_recipe", "all0.75", "all0.5")
-DEFAULT_ARMS = tuple(a for a in ARMS if a != "eps0.3")  # eps0.3: only worth its compute if eps0.2 costs nothing
-CONTROLS = ("all0.75", "all0.5")
-FLOP_FRACTIONS = tuple(k / 8 for k in range(9))  # the picture's common x grid, in native-run FLOPs
-EXTRA = 1.1  # a routed run's steps beyond its planned equal-compute point (the realized saving scatters)
 
 
-def arm_table(name: str, native_size: int = 64) -> dict[str, Any] | None:
-    """The plugin table of an arm (None: native) for lab buckets of ``native_size`` latent cells a side
-    (64: the lab's five buckets; 32: one 128 px square bucket, windows from the 32×32 lab map)."""
+@dataclass(frozen=True)
+class ArmSpec:
+    budget: float  # native-twin FLOP units the arm trains for
+    describe: str
+
+
+EPS = ("0.05", "0.1", "0.2", "0.3")
+ARMS = {
+    "native": ArmSpec(1.0, "native: no plugin"),
+    **{f"eps{e}": ArmSpec(1.1, f"the concept map's windows at ε = {e}") for e in EPS},
+    "seed_recipe": ArmSpec(1.1, "the seed paper's stacked recipe, uncertified (0.75 in 0.65 < σ < 0.95, 0.875 above σ 0.5)"),
+    "all0.5": ArmSpec(1.0, "every step at half the grid (positive control)"),
+}
+DEFAULT_ARMS = ("native", "eps0.1", "eps0.2", "seed_recipe", "all0.5")
+VAL_SIGMAS = (0.1, 0.35, 0.6, 0.85)  # four σ, low σ (the concept's detail) weighed like the rest
+CONTROL = "all0.5"
+QUALITY_LEVELS = (0.75, 0.9, 1.0)
+EQUAL_COMPUTE = (0.5, 0.75, 1.0)
+MARGIN_SHARE = 0.1  # the non-inferiority margin: a tenth of native's improvement
+# What a run's figures depend on besides its settings and its arm's table: a change here makes stored runs stale.
+STUDY_PATHS = (
+    "downscale_plugin/lab",
+    "downscale_plugin/hosts/lab/twin.py",
+    "downscale_plugin/hosts/lab/adapter.py",
+    "downscale_plugin/hosts/lab/sampler.py",
+    "downscale_plugin/hosts/sd_scripts/hook.py",
+    "downscale_plugin/hosts/sd_scripts/families.py",
+    "downscale_plugin/router.py",
+    "downscale_plugin/sigma.py",
+    "downscale_plugin/grid.py",
+    "downscale_plugin/rng.py",
+    "downscale_plugin/mapping/paired.py",
+    "downscale_plugin/flops.py",
+)
+
+
+def arm_table(name: str) -> dict[str, Any] | None:
+    """The plugin table of an arm (None: native)."""
     from downscale_plugin.config import read_plugin_toml
     from downscale_plugin.hosts.lab.demo import DEMO_ROUTES
 
     if name == "native":
         return None
-    if name in EPS_ARMS:
-        return read_plugin_toml(str((WINDOWS if native_size == 64 else WINDOWS / f"n{native_size}") / f"windows_{name}.toml"))
+    if name.startswith("eps") and name.removeprefix("eps") in EPS:
+        return read_plugin_toml(str(WINDOWS / f"windows_{name}.toml"))
     if name == "seed_recipe":
-        if native_size != 64:
-            raise ValueError("seed_recipe: its routes are for the 256 px lab buckets (native_size 64)")
         return {"routes": list(DEMO_ROUTES)}
-    if name in CONTROLS:
-        ratio, side = float(name.removeprefix("all")), 4 * native_size  # lab pixels: 4 per latent cell
-        return {"routes": [{"route": f"{side}:{round(side * ratio)}", "sigma_min": 0.0}]}
+    if name == CONTROL:
+        return {"routes": [{"route": "256:128", "sigma_min": 0.0}]}
     raise ValueError(f"arm: {name!r} is not an arm of the study (allowed: {', '.join(ARMS)})")
 
 
+# ---- code revision ----
+
+
+def _git(*args: str) -> str | None:
+    try:
+        return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        return None
+
+
+def code_state() -> dict[str, str | None]:
+    """HEAD and a hash of the uncommitted change to ``STUDY_PATHS`` ("" when clean)."""
+    head = _git("rev-parse", "HEAD")
+    diff = _git("diff", "HEAD", "--", *STUDY_PATHS) or ""
+    untracked = _git("ls-files", "--others", "--exclude-standard", "--", *STUDY_PATHS) or ""
+    change = diff + untracked
+    return {"revision": head.strip() if head else None, "uncommitted": hashlib.sha256(change.encode()).hexdigest()[:16] if change else ""}
+
+
+def stale_reason(run: dict[str, Any], now: dict[str, str | None]) -> str | None:
+    """Why a stored run's figures could differ at the current code (None: it is current)."""
+    then = run.get("code")
+    if not then or not then.get("revision"):
+        return "it records no code revision"
+    if then["uncommitted"] != now["uncommitted"]:
+        return f"it ran with another uncommitted change to the study's files ({then['uncommitted'] or 'none'})"
+    if then["revision"] == now["revision"]:
+        return None
+    changed = _git("diff", "--name-only", then["revision"], now["revision"] or "HEAD", "--", *STUDY_PATHS)
+    if changed is None:
+        return f"its revision {then['revision'][:12]} is not in this checkout"
+    return f"the study's files changed since {then['revision'][:12]}: {', '.join(changed.split())}" if changed.strip() else None
+
+
+# ---- one run ----
+
+
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
-    """What a run's figures depend on: a stored run is reused only under the same settings."""
-    keys = ("steps", "rank", "lr", "val_per_bucket", "val_seed", "quick", "batch_size") + (
-        ("native_size",) if args.native_size != 64 else ()
-    )
-    return {k: getattr(args, k) for k in keys}
+    """What a run's figures depend on besides the code: a stored run is reused only under the same settings."""
+    keys = ("task", "steps", "rank", "lr", "batch_size", "points", "val_per_bucket", "val_draws", "val_seed", "quick")
+    return {**{k: getattr(args, k) for k in keys}, "val_sigmas": list(VAL_SIGMAS)}
 
 
 def run_path(out: Path, arm: str, seed: int) -> Path:
     return out / "runs" / f"{arm}_s{seed}.json"
 
 
-def validation_steps(native_steps: int, total: int, flop_saving: float) -> list[int]:
-    """Half and all of the native step count, and the planned equal-compute step of a routed run
-    (its last step, ``EXTRA`` × that, is validated too: the two bracket the native twin's FLOPs)."""
-    points = {native_steps // 2, native_steps}
-    if total > native_steps:
-        points.add(round(native_steps / (1.0 - flop_saving)))
-    return sorted(p for p in points if 0 < p <= total)
-
-
 class Lab:
-    """What every run of a worker process shares: the pretrained lab DiT, the data, the held-out set
-    and the base model's validation loss (a run's step-0 point: its adapter starts at ΔW = 0)."""
+    """What every run of a worker shares: the pretrained lab DiT, the concept data and its held-out set."""
 
     def __init__(self, args: argparse.Namespace) -> None:
         from downscale_plugin.flops import FlopModel
+        from downscale_plugin.lab.concept import task_data
         from downscale_plugin.lab.data import LabData, LabDataConfig
         from downscale_plugin.lab.model import LabModelConfig, flop_shape
         from downscale_plugin.lab.pretrain import load_or_pretrain
-        from downscale_plugin.lab.trainer import native_validation_loss
+        from downscale_plugin.lab.trainer import native_validation_losses
 
         self.model_cfg = LabModelConfig()
-        buckets = {} if args.native_size == 64 else {"buckets": ((4 * args.native_size,) * 2,)}
-        self.data = LabData(LabDataConfig(latent_channels=self.model_cfg.latent_channels, **buckets))
-        self.model = load_or_pretrain(self.model_cfg, quick=args.quick, progress=False, data=self.data)
+        base = LabData(LabDataConfig(latent_channels=self.model_cfg.latent_channels))
+        self.model = load_or_pretrain(self.model_cfg, quick=args.quick, progress=False, data=base)
+        self.data = task_data(args.task, base)
         self.flop_model = FlopModel(*flop_shape(self.model_cfg))
-        self.val_set = self.data.validation_set(per_bucket=args.val_per_bucket, seed=args.val_seed)
-        self.loss = lambda deltas: native_validation_loss(self.model, deltas, self.val_set, args.val_seed)
-        self.base = self.loss(None)
-
-    def validate(self, deltas: dict) -> float:
-        return self.base if all(not d.any() for d in deltas.values()) else self.loss(deltas)
+        val_set = self.data.validation_set(per_bucket=args.val_per_bucket, seed=args.val_seed)
+        self.validate = lambda deltas: native_validation_losses(self.model, deltas, val_set, args.val_seed, VAL_SIGMAS, args.val_draws)
 
 
 def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str, Any]:
-    """One twin fine-tune; returns the run's JSON blob."""
+    """One twin fine-tune to its arm's budget; returns the run's JSON blob."""
     import torch
 
     from downscale_plugin.config import load_config
     from downscale_plugin.hosts.lab.adapter import LabPlugin
-    from downscale_plugin.hosts.lab.twin import TwinRun, equal_compute_steps, planned_saving
-    from downscale_plugin.lab.trainer import lab_args, train_lora
+    from downscale_plugin.hosts.lab.twin import run_to_budget
 
+    table = arm_table(arm)
+    plugin = None if table is None else LabPlugin.for_lab(load_config(plugin_toml=table), lab.model_cfg, lab.data, args.batch_size)
     cpu_start = time.process_time()
-    table = arm_table(arm, args.native_size)
-    plugin, total, planned = None, args.steps, 0.0
-    if table is not None:
-        plugin = LabPlugin.for_lab(load_config(plugin_toml=table), lab.model_cfg, lab.data, args.batch_size)
-        planned = planned_saving(plugin, lab_args(), args.steps)
-        total = equal_compute_steps(args.steps, planned, EXTRA)
-    twin = TwinRun(seed, lab.flop_model, args.batch_size)
-    result = train_lora(
-        lab.model, lab.data, steps=total, lr=args.lr, rank=args.rank, seed=seed, batch_size=args.batch_size,
-        hook_installer=None if plugin is None else plugin.installer, validate=lab.validate,
-        validate_at=validation_steps(args.steps, total, planned), step_scope=twin, clock=time.process_time,
+    run = run_to_budget(
+        lab.model, lab.data, plugin, seed=seed, native_steps=args.steps, budget=ARMS[arm].budget, points=args.points,
+        lr=args.lr, rank=args.rank, validate=lab.validate, flop_model=lab.flop_model, batch_size=args.batch_size,
     )  # fmt: skip
-    flops_run, flops_native = twin.flops(plugin)
-    cpu = list(itertools.accumulate(result.step_times))
-    routed = [t.rule_index >= 0 for t in plugin.trace] if plugin is not None else [False] * total
-    n = args.steps
     return {
         "arm": arm,
         "seed": seed,
         "settings": settings_of(args),
+        "code": code_state(),
         "table": table,
-        "steps_run": total,
-        "flop_saving_planned": planned,
-        "routed_share": sum(routed[:n]) / n,  # over the native step count
-        "flop_saving": 1.0 - flops_run[n - 1] / flops_native[n - 1],
-        "native_flops_at_steps": flops_native[n - 1],  # what the same steps cost at the native grid
-        "cpu_s_at_steps": cpu[n - 1],
-        "curve": [
-            {"step": s, "flops": flops_run[s - 1] if s else 0.0, "cpu_s": cpu[s - 1] if s else 0.0, "val": v}
-            for _, s, v in result.val_curve
-        ],
         "threads": torch.get_num_threads(),
-        "route_ratios": [] if plugin is None else [rule.ratio for rule in plugin.cfg.routes],
-        "steps_trace": [] if plugin is None else [[t.rule_index, t.sigmas[0]] for t in plugin.trace[:n]],  # (rule, σ) per step
+        "native_flops": run.native_flops,
+        "curve": [
+            {"step": s, "flops": f, "cpu_s": c, "val": v} for s, f, c, v in zip(run.steps, run.flops, run.seconds, run.val, strict=True)
+        ],
+        "items": run.items,
+        "tokens_run": run.tokens_run,
+        "step_cpu_s": [round(t, 5) for t in run.step_seconds],
+        "routed": [] if plugin is None else [t.rule_index for t in plugin.trace],
         "cpu_s_total": time.process_time() - cpu_start,  # training, validation and bookkeeping
     }
 
 
-def map_rows(native_size: int = 64) -> dict[float, list[dict[str, Any]]]:
-    """The lab map's bins per route ratio at that native size (0.875, 0.75 from the exact-filter map;
-    0.5 from the pool map)."""
-    maps = [ROOT / "docs" / "fidelity" / f"lab_n{native_size}_d8_n16{tail}" / "map.json" for tail in ("", "_pool")]
-    rows: dict[float, list[dict[str, Any]]] = {}
-    for path in maps:
-        for row in json.loads(path.read_text())["rows"]:
-            if row["kind"] == "latent" and row["ratio"] not in rows:
-                rows.setdefault(row["ratio"], [])
-            if row["kind"] == "latent" and (path == maps[0] or row["ratio"] == 0.5):
-                rows[row["ratio"]].append(row)
-    return rows
+# ---- aggregation ----
 
 
-def bin_of(rows: list[dict[str, Any]], sigma: float) -> dict[str, Any]:
-    for row in rows:
-        if (row["endpoint"] and sigma >= 1.0) or (not row["endpoint"] and row["lo"] < sigma <= row["hi"]):
-            return row
-    return rows[0]  # σ = 0 exactly
+def _fit(run: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
+    from downscale_plugin.hosts.lab.quality import monotone_fit
+
+    return [p[key] for p in run["curve"]], monotone_fit([p["val"] for p in run["curve"]])
 
 
-def gradient_criteria(run: dict[str, Any], rows: dict[float, list[dict[str, Any]]]) -> dict[str, float]:
-    """The map's cosine-gap excess over a routed run's own steps (first ``steps``): the largest upper
-    bound of any bin it routed in (what a window's ε bounds) and the mean excess per step (native
-    steps count 0: the dose the run received)."""
-    excess, worst = [], 0.0
-    for rule, sigma in run["steps_trace"]:
-        if rule < 0:
-            excess.append(0.0)
-            continue
-        row = bin_of(rows[run["route_ratios"][rule]], sigma)
-        excess.append(row["excess"])
-        worst = max(worst, row["ub"])
-    return {"max_ub": worst, "mean_excess": statistics.fmean(excess) if excess else 0.0}
+def time_to(run: dict[str, Any], key: str, target: float) -> float | None:
+    from downscale_plugin.hosts.lab.quality import first_reach
+
+    return first_reach(*_fit(run, key), target)
 
 
-# ---- aggregation (pure: tested on synthetic runs in tests/test_quality.py through hosts/lab/quality.py) ----
-
-
-def _curve(run: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
+def _raw(run: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
     return [p[key] for p in run["curve"]], [p["val"] for p in run["curve"]]
 
 
-def val_at_step(run: dict[str, Any], step: int) -> float:
-    for p in run["curve"]:
-        if p["step"] == step:
-            return p["val"]
-    raise KeyError(f"{run['arm']} seed {run['seed']}: no validation point at step {step}")
+def native_facts(native: dict[str, Any]) -> dict[str, float]:
+    """A native run's base, plateau (its fitted end), improvement and the last quarter's share of it."""
+    from downscale_plugin.hosts.lab.quality import value_at
+
+    xs, fit = _fit(native, "flops")
+    base, plateau = native["curve"][0]["val"], fit[-1]
+    at_three_quarters = value_at(xs, fit, 0.75 * xs[-1])
+    gain = base - plateau
+    return {
+        "base": base,
+        "plateau": plateau,
+        "gain": gain,
+        "last_quarter_share": (at_three_quarters - plateau) / gain if gain > 0 else math.nan,
+    }
 
 
-def summarize(runs: dict[tuple[str, int], dict[str, Any]], steps: int, base_val: float | None, native_size: int = 64) -> dict[str, Any]:
-    """Per arm: paired read-offs against the same seed's native twin (only seeds that have both)."""
-    from downscale_plugin.hosts.lab.quality import paired_interval, value_at, variance_ratio
+def validation_error(native: dict[str, Any]) -> float:
+    """Standard error of native's improvement due to the validation set itself: the items' paired
+    (end − start) differences, averaged per crop over its σ and draws, spread over crops."""
+    first, last = native["items"][0], native["items"][-1]
+    per_crop = len(native["settings"]["val_sigmas"]) * native["settings"]["val_draws"]
+    crops = [statistics.fmean(a - b for a, b in zip(first[i : i + per_crop], last[i : i + per_crop], strict=True))
+             for i in range(0, len(first), per_crop)]  # fmt: skip
+    return statistics.stdev(crops) / math.sqrt(len(crops))
 
-    natives = {seed: run for (arm, seed), run in runs.items() if arm == "native"}
+
+def summarize(runs: dict[tuple[str, int], dict[str, Any]], arms: list[str]) -> dict[str, Any]:
+    """Per arm, paired against the same seed's native twin (seeds that have both)."""
+    from downscale_plugin.hosts.lab.quality import paired_interval, ratio_interval, value_at
+
+    natives = {s: r for (a, s), r in runs.items() if a == "native"}
+    facts = {s: native_facts(r) for s, r in natives.items()}
     out: dict[str, Any] = {"arms": {}}
-    nat_final = {s: val_at_step(r, steps) for s, r in natives.items()}
     if natives:
-        vals = list(nat_final.values())
-        out["native_improvement"] = None if base_val is None else base_val - statistics.fmean(vals)
-        out["base_val"] = base_val
-    for arm in ARMS:
+        out["base_val"] = statistics.fmean(f["base"] for f in facts.values())
+        out["native_gain"] = statistics.fmean(f["gain"] for f in facts.values())
+        out["native_gain_fraction"] = statistics.fmean(f["gain"] / f["base"] for f in facts.values())
+        out["native_last_quarter_share"] = {"mean": statistics.fmean(f["last_quarter_share"] for f in facts.values()),
+                                            "max": max(f["last_quarter_share"] for f in facts.values())}  # fmt: skip
+        out["validation_se_of_gain"] = statistics.fmean(validation_error(r) for r in natives.values())
+        out["seed_sd_of_gain"] = statistics.stdev(f["gain"] for f in facts.values()) if len(facts) > 1 else None
+    for arm in arms:
         seeds = sorted(s for (a, s) in runs if a == arm and s in natives)
         if not seeds:
             continue
+        entry: dict[str, Any] = {"seeds": len(seeds), "seed_list": seeds, "describe": ARMS[arm].describe, "budget": ARMS[arm].budget}
         rs = [runs[arm, s] for s in seeds]
-        eq_steps = [val_at_step(runs[arm, s], steps) - nat_final[s] for s in seeds]
-        eq_compute, cpu_ratio, compute_missing = [], [], []
-        for s in seeds:
-            native_flops = natives[s]["curve"][-1]["flops"]
-            xs, ys = _curve(runs[arm, s], "flops")
-            v = value_at(xs, ys, native_flops)
-            if v is None:
-                compute_missing.append(s)
-                continue
-            eq_compute.append(v - nat_final[s])
-            cx, cy = _curve(runs[arm, s], "flops")[0], [p["cpu_s"] for p in runs[arm, s]["curve"]]
-            cpu_ratio.append(value_at(cx, cy, native_flops) / natives[s]["curve"][-1]["cpu_s"])
-        # independent-seed differences: the arm's seed s against another seed's native run
-        unpaired = [val_at_step(runs[arm, s], steps) - nat_final[t] for s in seeds for t in seeds if t != s]
-        entry = {
-            "seeds": len(seeds),
-            "seed_list": seeds,
-            "routed_share": statistics.fmean(r["routed_share"] for r in rs),
-            "flop_saving": statistics.fmean(r["flop_saving"] for r in rs),
-            "flop_saving_planned": rs[0]["flop_saving_planned"],
-            "wall_saving": 1.0 - statistics.fmean(r["cpu_s_at_steps"] for r in rs) / statistics.fmean(
-                natives[s]["cpu_s_at_steps"] for s in seeds),
-            "equal_steps": paired_interval(eq_steps).as_dict(),
-            "equal_steps_per_seed": eq_steps,
-            "equal_compute": paired_interval(eq_compute).as_dict() if eq_compute else None,
-            "equal_compute_per_seed": eq_compute,
-            "equal_compute_missing_seeds": compute_missing,
-            "cpu_at_equal_compute_vs_native": statistics.fmean(cpu_ratio) if cpu_ratio else None,
-            "steps_to_equal_compute": statistics.fmean(steps / (1.0 - r["flop_saving"]) for r in rs),
-            "variance_ratio_unpaired_over_twin": variance_ratio(eq_steps, unpaired) if arm != "native" else None,
-        }  # fmt: skip
-        if arm != "native" and all(r.get("steps_trace") for r in rs):
-            rows = map_rows(native_size)
-            crit = [gradient_criteria(r, rows) for r in rs]
-            entry["map_max_ub"] = max(c["max_ub"] for c in crit)
-            entry["map_mean_excess"] = statistics.fmean(c["mean_excess"] for c in crit)
+        n_steps = rs[0]["settings"]["steps"]
+        entry["routed_share"] = statistics.fmean(sum(i >= 0 for i in r["routed"]) / len(r["routed"]) if r["routed"] else 0.0 for r in rs)
+        entry["flop_saving_per_step"] = statistics.fmean(
+            1 - r["curve"][-1]["flops"] / (r["native_flops"] * len(r["tokens_run"]) / n_steps) for r in rs
+        )
+        entry["time_to_quality"] = {}
+        for key, name in (("flops", "flops"), ("cpu_s", "cpu")):
+            per_level = {}
+            for q in QUALITY_LEVELS:
+                ratios, reached = [], []
+                for s in seeds:
+                    target = facts[s]["base"] - q * facts[s]["gain"]
+                    native_t = time_to(natives[s], key, target)
+                    t = time_to(runs[arm, s], key, target)
+                    cap = runs[arm, s]["curve"][-1][key]
+                    reached.append(t is not None)
+                    ratios.append((t if t is not None else cap) / native_t)
+                per_level[f"{round(100 * q)}"] = {**ratio_interval(ratios, reached).as_dict(), "per_seed": ratios}
+            entry["time_to_quality"][name] = {**per_level["90"], "levels": per_level}
+        entry["equal_compute"] = {}
+        margin = MARGIN_SHARE * out["native_gain"]
+        for frac in EQUAL_COMPUTE:
+            diffs = []
+            for s in seeds:
+                x = frac * natives[s]["native_flops"]
+                a, b = value_at(*_raw(runs[arm, s], "flops"), x), value_at(*_raw(natives[s], "flops"), x)
+                if a is not None and b is not None:
+                    diffs.append(a - b)
+            if diffs:
+                iv = paired_interval(diffs)
+                entry["equal_compute"][f"{frac:g}"] = {**iv.as_dict(), "n": iv.n, "margin": margin,
+                                                      "non_inferior": iv.hi is not None and iv.hi < margin}  # fmt: skip
+        diffs = [value_at(*_raw(runs[arm, s], "step"), n_steps) - value_at(*_raw(natives[s], "step"), n_steps) for s in seeds]
+        entry["equal_steps"] = {**paired_interval(diffs).as_dict(), "margin": margin}
+        cpu_ratio = [
+            (runs[arm, s]["curve"][-1]["cpu_s"] / len(runs[arm, s]["tokens_run"])) / (natives[s]["curve"][-1]["cpu_s"] / len(natives[s]["tokens_run"]))
+            for s in seeds
+        ]  # fmt: skip
+        entry["cpu_per_step_vs_native"] = statistics.fmean(cpu_ratio)
         out["arms"][arm] = entry
     return out
 
 
-def band(runs: dict[tuple[str, int], dict[str, Any]], arm: str, seeds: list[int]) -> list[tuple[float, float, float, float]]:
-    """(x, mean, lo, hi) of an arm's validation loss at fractions of each seed's native-run FLOPs."""
-    from downscale_plugin.hosts.lab.quality import paired_interval, value_at
-
-    rows = []
-    for q in FLOP_FRACTIONS:
-        vals = []
-        for s in seeds:
-            xs, ys = _curve(runs[arm, s], "flops")
-            v = value_at(xs, ys, q * runs["native", s]["curve"][-1]["flops"])
-            if v is not None:
-                vals.append(v)
-        if len(vals) == len(seeds):
-            iv = paired_interval(vals)
-            rows.append((q, iv.mean, iv.lo if iv.lo is not None else iv.mean, iv.hi if iv.hi is not None else iv.mean))
-    return rows
+def _ratio(d: dict[str, Any]) -> str:
+    if d["lo"] is None:
+        return f"{d['ratio']:.2f}"
+    cens = "" if d["reached"] == d["seeds"] else " (≥: some capped)"
+    return f"{d['ratio']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]{cens}"
 
 
-def diff_band(runs: dict[tuple[str, int], dict[str, Any]], arm: str, seeds: list[int]) -> list[tuple[float, float, float, float]]:
-    """(x, mean, lo, hi) of the paired difference arm − native twin at equal FLOPs (fractions of the native run's)."""
-    from downscale_plugin.hosts.lab.quality import paired_interval, value_at
+def _iv(d: dict[str, Any] | None) -> str:
+    if not d:
+        return "not reached"
+    if d["lo"] is None:
+        return f"{d['mean']:+.4f}"
+    return f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]"
 
-    rows = []
-    for q in FLOP_FRACTIONS[1:]:
-        diffs = []
-        for s in seeds:
-            native_flops = runs["native", s]["curve"][-1]["flops"]
-            a = value_at(*_curve(runs[arm, s], "flops"), q * native_flops)
-            b = value_at(*_curve(runs["native", s], "flops"), q * native_flops)
-            if a is not None and b is not None:
-                diffs.append(a - b)
-        if len(diffs) == len(seeds) and len(diffs) > 1:
-            iv = paired_interval(diffs)
-            rows.append((q, iv.mean, iv.lo, iv.hi))
-    return rows
+
+def report(summary: dict[str, Any], header: str) -> str:
+    lines = [header, ""]
+    if "native_gain" in summary:
+        lq = summary["native_last_quarter_share"]
+        lines += [
+            f"base model {summary['base_val']:.4f}; native improvement {summary['native_gain']:.4f} "
+            f"({100 * summary['native_gain_fraction']:.1f} % of the base loss); its last quarter gains "
+            f"{100 * lq['mean']:.1f} % of it (max over seeds {100 * lq['max']:.1f} %); the validation set's own standard error of the "
+            f"improvement {summary['validation_se_of_gain']:.4f} (seed SD {summary['seed_sd_of_gain'] or 0:.4f})",
+            "",
+        ]
+    lines += [
+        "Time to 90 % of native's improvement, arm ÷ native (geometric mean over seeds, paired 95 % t interval on the log-ratio; "
+        "reached = seeds that reached it within the arm's budget):",
+        "",
+        "| arm | seeds | routed share | FLOPs saved per step | CPU s per step vs native | FLOPs to 90 % | reached | CPU s to 90 % | reached | bootstrap check (FLOPs) |",
+        "|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for arm, e in summary["arms"].items():
+        f, c = e["time_to_quality"]["flops"], e["time_to_quality"]["cpu"]
+        boot = "n/a" if f["boot_lo"] is None else f"[{f['boot_lo']:.2f}, {f['boot_hi']:.2f}]"
+        lines.append(
+            f"| {arm} | {e['seeds']} | {100 * e['routed_share']:.1f} % | {100 * e['flop_saving_per_step']:.1f} % | "
+            f"{e['cpu_per_step_vs_native']:.2f} | {_ratio(f)} | {f['reached']}/{f['seeds']} | {_ratio(c)} | {c['reached']}/{c['seeds']} | {boot} |"
+        )
+    lines += ["", "Time to 75 % / 100 % of native's improvement (FLOPs ratio):", "", "| arm | 75 % | 100 % |", "|---|---|---|"]
+    for arm, e in summary["arms"].items():
+        lv = e["time_to_quality"]["flops"]["levels"]
+        lines.append(f"| {arm} | {_ratio(lv['75'])} ({lv['75']['reached']}/{lv['75']['seeds']}) | "
+                     f"{_ratio(lv['100'])} ({lv['100']['reached']}/{lv['100']['seeds']}) |")  # fmt: skip
+    margin = MARGIN_SHARE * summary.get("native_gain", 0.0)
+    lines += [
+        "",
+        f"Validation loss, arm − native (paired 95 % interval; margin = a tenth of native's improvement, {margin:.4f}):",
+        "",
+        "| arm | equal compute 0.5× | 0.75× | 1× native FLOPs | equal steps |",
+        "|---|---|---|---|---|",
+    ]
+    for arm, e in summary["arms"].items():
+        ec = e["equal_compute"]
+        lines.append(f"| {arm} | {_iv(ec.get('0.5'))} | {_iv(ec.get('0.75'))} | {_iv(ec.get('1'))} | {_iv(e['equal_steps'])} |")
+    return "\n".join(lines)
 
 
 def plot(runs: dict[tuple[str, int], dict[str, Any]], summary: dict[str, Any], path: Path, title: str) -> None:
+    """Mean validation curve per arm against FLOPs (in native-run units), and the time-to-90 % ratios."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, (ax_abs, ax_diff) = plt.subplots(2, 1, figsize=(9, 9), sharex=True)
-    for i, (arm, entry) in enumerate(summary["arms"].items()):
-        color = f"C{i}"
-        seeds = entry["seed_list"]
-        rows = band(runs, arm, seeds)
-        if rows:
-            x, m, lo, hi = zip(*rows, strict=True)
-            ax_abs.plot(x, m, color=color, label=f"{arm} ({100 * entry['flop_saving']:.0f} % FLOPs saved/step)")
-            ax_abs.fill_between(x, lo, hi, color=color, alpha=0.15)
-        if arm != "native":
-            rows = diff_band(runs, arm, seeds)
-            if rows:
-                x, m, lo, hi = zip(*rows, strict=True)
-                ax_diff.plot(x, m, color=color, label=arm)
-                ax_diff.fill_between(x, lo, hi, color=color, alpha=0.15)
-    if summary.get("base_val") is not None:
-        ax_abs.axhline(summary["base_val"], color="grey", linewidth=0.8, linestyle=":", label="base model")
-    ax_diff.axhline(0.0, color="black", linewidth=0.8)
-    ax_abs.set_ylabel("native-grid validation loss (mean, 95 % band over seeds)")
-    ax_diff.set_ylabel("arm − native twin at equal FLOPs (95 % paired band)")
-    ax_diff.set_xlabel("training FLOPs, as a fraction of the native run's")
-    ax_abs.legend(fontsize="small")
-    ax_diff.legend(fontsize="small", ncol=2)
-    fig.suptitle(title.replace("; twins", ";\ntwins"), fontsize=9)
+    from downscale_plugin.hosts.lab.quality import value_at
+
+    fig, (ax_curve, ax_ttq) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
+    grid = [k / 40 for k in range(51)]
+    for i, (arm, e) in enumerate(summary["arms"].items()):
+        mean = []
+        for x in grid:
+            vals = [value_at(*_raw(runs[arm, s], "flops"), x * runs["native", s]["native_flops"]) for s in e["seed_list"]]
+            mean.append(statistics.fmean(vals) if all(v is not None for v in vals) else math.nan)
+        ax_curve.plot(grid, mean, color=f"C{i}", label=f"{arm} ({100 * e['flop_saving_per_step']:.0f} % FLOPs/step)")
+        f = e["time_to_quality"]["flops"]
+        if f["lo"] is not None:
+            ax_ttq.errorbar([f["ratio"]], [i], xerr=[[f["ratio"] - f["lo"]], [f["hi"] - f["ratio"]]], fmt="o", color=f"C{i}")
+    ax_curve.axhline(summary["base_val"] - 0.9 * summary["native_gain"], color="grey", linestyle=":", label="90 % of native's improvement")
+    ax_curve.set_xlabel("training FLOPs, in units of the native run's")
+    ax_curve.set_ylabel("held-out native-grid validation loss (mean over seeds)")
+    ax_curve.legend(fontsize="small")
+    ax_ttq.axvline(1.0, color="black", linewidth=0.8)
+    ax_ttq.set_yticks(range(len(summary["arms"])), list(summary["arms"]))
+    ax_ttq.set_xlabel("FLOPs to 90 % quality, arm ÷ native (95 % CI)")
+    fig.suptitle(title, fontsize=9)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
 
 
-def _iv(d: dict[str, float] | None, digits: int = 5) -> str:
-    if d is None:
-        return "not reached"
-    if d["lo"] is None:
-        return f"{d['mean']:+.{digits}f}"
-    return f"{d['mean']:+.{digits}f} [{d['lo']:+.{digits}f}, {d['hi']:+.{digits}f}]"
+# ---- the study ----
 
 
-def report(summary: dict[str, Any], header: str) -> str:
-    """The markdown tables: savings and read-offs per arm, then the map's excess beside the cost."""
-    improvement = summary.get("native_improvement")
-    rows = ["| arm | seeds | routed share | FLOP saving (per step) | CPU-time saving (per step) | equal steps: arm − native [95 % CI] | "
-            "equal compute: arm − native [95 % CI] | steps to equal compute | CPU time at equal compute / native | var. ratio independent / twin |",
-            "|---|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
-    criteria = [
-        "| arm | map: largest UB routed in | map: mean excess per step | equal-steps cost, % of the native improvement |",
-        "|---|---|---|---|",
-    ]
-    for arm, e in summary["arms"].items():
-        vr = e["variance_ratio_unpaired_over_twin"]
-        cpu = e["cpu_at_equal_compute_vs_native"]
-        rows.append(
-            f"| {arm} | {e['seeds']} | {100 * e['routed_share']:.1f} % | {100 * e['flop_saving']:.1f} % | {100 * e['wall_saving']:.1f} % | "
-            f"{_iv(e['equal_steps'])} | {_iv(e['equal_compute'])} | {e['steps_to_equal_compute']:.0f} | "
-            f"{'n/a' if cpu is None else f'{cpu:.2f}'} | {'n/a' if vr is None else f'{vr:.0f}×'} |"
-        )
-        if "map_max_ub" in e:
-            share = "n/a" if not improvement else f"{100 * e['equal_steps']['mean'] / improvement:.0f} %"
-            criteria.append(f"| {arm} | {e['map_max_ub']:.3f} | {e['map_mean_excess']:.4f} | {share} |")
-    lines = [header, ""]
-    if summary.get("base_val") is not None and improvement is not None:
-        lines.append(f"base model {summary['base_val']:.5f}; native improvement over base {improvement:.5f}")
-    return "\n".join([*lines, "", *rows, "", *criteria])
+def load_runs(out: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(b["arm"], b["seed"]): b for b in (json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json")))}
 
 
-def load_runs(out: Path, settings: dict[str, Any], other: bool = False) -> dict[tuple[str, int], dict[str, Any]]:
-    """The stored runs made under ``settings`` (``other``: those made under different ones)."""
-    runs = {}
-    for path in sorted((out / "runs").glob("*.json")):
-        blob = json.loads(path.read_text())
-        if (blob["settings"] == settings) != other:
-            runs[blob["arm"], blob["seed"]] = blob
-    return runs
+def refusals(runs: dict[tuple[str, int], dict[str, Any]], args: argparse.Namespace) -> list[str]:
+    """Stored runs that cannot be reused under these settings and this code, each with why."""
+    now, settings, out = code_state(), settings_of(args), []
+    for (arm, seed), run in sorted(runs.items()):
+        reason = "its settings differ" if run["settings"] != settings else stale_reason(run, now)
+        if reason is None and arm in ARMS and run["table"] != arm_table(arm):
+            reason = "its arm's table changed"
+        if reason:
+            out.append(f"{arm} seed {seed}: {reason}")
+    return out
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated arms of {','.join(ARMS)} (default all but eps0.3)")
-    parser.add_argument("--seeds", default="0,1,2,3,4,5,6,7", help="comma-separated training seeds (default 8)")
-    parser.add_argument("--steps", type=int, default=64, help="the native run's steps (default 64)")
+    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated arms of {','.join(ARMS)}")
+    parser.add_argument("--seeds", default=",".join(str(s) for s in range(16)), help="comma-separated training seeds (default 0-15)")
+    parser.add_argument("--task", default="concept", help="lab.concept.TASKS: concept (default) or corpus")
+    parser.add_argument("--steps", type=int, default=400, help="the native run's steps: the budget's unit (default 400)")
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=2e-3)
+    parser.add_argument("--lr", type=float, default=5e-3)
     parser.add_argument("--batch_size", type=int, default=1)
-    parser.add_argument("--val_per_bucket", type=int, default=1, help="held-out crops per lab bucket (default 1)")
-    parser.add_argument("--val_seed", type=int, default=0, help="seed of the held-out set and its noise (one for every run)")
+    parser.add_argument("--points", type=int, default=16, help="validation points per native-run FLOPs (default 16)")
+    parser.add_argument("--val_per_bucket", type=int, default=2, help="held-out crops per lab bucket (default 2)")
+    parser.add_argument("--val_draws", type=int, default=2, help="noise draws per (crop, σ) (default 2)")
+    parser.add_argument("--val_seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="quick pretrain (smoke runs only)")
-    parser.add_argument(
-        "--native_size",
-        type=int,
-        default=64,
-        choices=(64, 32),
-        help="latent cells a side: 64 (the lab's buckets, 1 024 tokens) or 32 (one 128 px bucket, 256 tokens)",
-    )
     parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one process and one torch thread each")
     parser.add_argument("--report", action="store_true", help="only aggregate the runs already stored")
     parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
@@ -413,31 +450,29 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.arm_list = [a for a in args.arms.split(",") if a]
     problems = [f"--arms: {a!r} is not an arm (allowed: {', '.join(ARMS)})" for a in args.arm_list if a not in ARMS]
     if "native" not in args.arm_list:
-        problems.append("--arms must include native (every difference is against the native twin)")
+        problems.append("--arms must include native (every ratio is against the native twin)")
     try:
         args.seed_list = [int(s) for s in args.seeds.split(",")]
     except ValueError:
         problems.append(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
-    problems += [f"--{k} must be >= 1" for k in ("steps", "rank", "batch_size", "val_per_bucket", "jobs") if getattr(args, k) < 1]
-    if args.steps % 2:
-        problems.append(f"--steps must be even (validation at half of it; got {args.steps})")
-    if args.native_size != 64 and "seed_recipe" in args.arm_list:
-        problems.append("--arms: seed_recipe routes the 256 px lab buckets only (--native_size 64)")
+    problems += [
+        f"--{k} must be >= 1"
+        for k in ("steps", "rank", "batch_size", "points", "val_per_bucket", "val_draws", "jobs")
+        if getattr(args, k) < 1
+    ]
+    if args.task not in ("concept", "corpus"):
+        problems.append(f"--task: {args.task!r} (allowed: concept, corpus)")
     if problems:
         parser.error("; ".join(problems))
     return args
 
 
-def _worker_command(args: argparse.Namespace) -> list[str]:
-    keep = ["--arms", args.arms, "--seeds", args.seeds, "--steps", str(args.steps), "--rank", str(args.rank), "--lr", str(args.lr),
-            "--batch_size", str(args.batch_size), "--val_per_bucket", str(args.val_per_bucket), "--val_seed", str(args.val_seed),
-            "--native_size", str(args.native_size),
-            "--out", str(args.out)]  # fmt: skip
-    return [sys.executable, __file__, *keep, *(["--quick"] if args.quick else []), "--worker"]
+def _worker_command(argv: list[str]) -> list[str]:
+    return [sys.executable, __file__, *[a for a in argv if not a.startswith("--jobs")], "--worker"]
 
 
 def todo(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """Seed by seed (so a stopped study leaves whole seeds), native first within a seed."""
+    """Seed by seed (a stopped study leaves whole seeds), native first within a seed."""
     return [(a, s) for s in args.seed_list for a in sorted(args.arm_list, key=lambda a: a != "native")]
 
 
@@ -459,60 +494,58 @@ def work(args: argparse.Namespace) -> None:
         t0 = time.perf_counter()
         blob = run_one(arm, seed, args, lab)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(blob, indent=1))
+        tmp.write_text(json.dumps(blob))
         os.replace(tmp, path)
         path.with_suffix(".claim").unlink()
-        print(f"{arm} seed {seed}: {blob['steps_run']} steps, CPU {blob['cpu_s_total']:.0f} s (training {blob['curve'][-1]['cpu_s']:.0f} s), "
-              f"wall {time.perf_counter() - t0:.0f} s, val at {args.steps} steps {val_at_step(blob, args.steps):.5f}", flush=True)  # fmt: skip
+        print(f"{arm} seed {seed}: {len(blob['tokens_run'])} steps, CPU {blob['cpu_s_total']:.0f} s, wall {time.perf_counter() - t0:.0f} s, "
+              f"val {blob['curve'][0]['val']:.4f} -> {blob['curve'][-1]['val']:.4f}", flush=True)  # fmt: skip
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     out = Path(args.out)
     (out / "runs").mkdir(parents=True, exist_ok=True)
-    settings = settings_of(args)
     if args.worker:
         work(args)
         return 0
+    refused = refusals(load_runs(out), args)
+    if refused:
+        print(f"bench_quality: {out} holds runs that cannot be reused (move them away or use another --out):", file=sys.stderr)
+        print("\n".join(f"  {r}" for r in refused), file=sys.stderr)
+        return 2
     if not args.report:
-        stale = load_runs(out, settings, other=True)
-        if stale:
-            print(f"bench_quality: {out} holds {len(stale)} runs made under other settings; use another --out", file=sys.stderr)
-            return 2
         for claim in (out / "runs").glob("*.claim"):  # a stopped study's unfinished runs
             claim.unlink()
         env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        workers = [subprocess.Popen(_worker_command(args), env=env) for _ in range(args.jobs)]
-        codes = [w.wait() for w in workers]
+        codes = [w.wait() for w in [subprocess.Popen(_worker_command(argv), env=env) for _ in range(args.jobs)]]
         if any(codes):
             print(f"bench_quality: worker exit codes {codes}", file=sys.stderr)
-    runs = load_runs(out, settings)
-    base_val = _base_val(args)
-    summary = summarize({k: v for k, v in runs.items() if k[0] in args.arm_list}, args.steps, base_val, args.native_size)
-    size = (
-        "" if args.native_size == 64 else f", native {args.native_size}x{args.native_size} latents ({(args.native_size // 2) ** 2} tokens)"
+            return 1
+    runs = {k: v for k, v in load_runs(out).items() if k[0] in args.arm_list and k[1] in args.seed_list}
+    summary = summarize(runs, args.arm_list)
+    header = (
+        f"lab DiT{' (quick pretrain)' if args.quick else ''} LoRA (rank {args.rank}, lr {args.lr:g}, B = {args.batch_size}) on the "
+        f"'{args.task}' task; native {args.steps} steps; σ sampler shift 3.1582; twins per seed; validation at {args.points} points per "
+        f"native-run FLOPs on held-out images: {args.val_per_bucket} crops × 5 buckets × {len(VAL_SIGMAS)} σ × {args.val_draws} noise draws; "
+        "CPU seconds at one torch thread"
     )
-    header = (f"lab DiT{' (quick pretrain)' if args.quick else ''}{size}, LoRA rank {args.rank}, lr {args.lr:g}, B = {args.batch_size}, "
-              f"native {args.steps} steps, σ sampler shift 3.1582; twins per seed; validation: {args.val_per_bucket} crop(s) × {5 if args.native_size == 64 else 1} bucket(s) × "
-              f"5 σ, seed {args.val_seed}; CPU seconds at one torch thread")  # fmt: skip
-    summary["settings"] = settings
-    summary["command"] = "python benchmarks/bench_quality.py " + " ".join(argv if argv is not None else sys.argv[1:])
+    code = code_state()
+    summary.update(
+        task={"name": args.task, "pretraining_overlap": args.task == "corpus",
+              "validation": f"held-out {'posters' if args.task == 'concept' else 'crops'}: {args.val_per_bucket} crops per bucket × 5 buckets, "
+                            f"{len(VAL_SIGMAS)} σ {VAL_SIGMAS} × {args.val_draws} noise draws each, native grid, per-item losses stored"},
+        code_revision=code["revision"] + (f"+{code['uncommitted']}" if code["uncommitted"] else ""),
+        settings=settings_of(args),
+        command="python benchmarks/bench_quality.py " + " ".join(argv),
+    )  # fmt: skip
     text = report(summary, header)
     print(text)
     (out / "summary.json").write_text(json.dumps(summary, indent=1))
     (out / "report.md").write_text(text + "\n")
-    if summary["arms"]:
+    if summary["arms"] and "native" in summary["arms"]:
         plot(runs, summary, out / "quality.png", header)
     return 0
-
-
-def _base_val(args: argparse.Namespace) -> float | None:
-    """The base model's validation loss, from any stored run's first point (step 0: no adapter yet)."""
-    for path in sorted((Path(args.out) / "runs").glob("*.json")):
-        blob = json.loads(path.read_text())
-        if blob["settings"] == settings_of(args) and blob["curve"] and blob["curve"][0]["step"] == 0:
-            return blob["curve"][0]["val"]
-    return None
 
 
 if __name__ == "__main__":

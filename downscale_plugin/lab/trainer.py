@@ -303,6 +303,8 @@ def train_lora(
     validate: Validator | None = None,
     validate_every: int = 0,
     validate_at: Collection[int] = (),
+    validate_if: Callable[[int], bool] | None = None,
+    stop_if: Callable[[int], bool] | None = None,
     step_scope: StepScope | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> LoraResult:
@@ -314,10 +316,11 @@ def train_lora(
     optimizer step (not the lab's batch synthesis, which a real host caches).
 
     ``validate(deltas)`` runs before the first step, every ``validate_every`` steps, after each step
-    count in ``validate_at`` and after the last, outside the step timer and between steps, so a
+    count in ``validate_at`` or for which ``validate_if(steps done)`` holds, and after the last, outside the step timer and between steps, so a
     routed and a native run compare on the same native-grid loss against the same clock; it must
     draw from private generators only (:func:`native_validation_loss` does), so the run's own
-    figures do not depend on it.
+    figures do not depend on it. ``stop_if(steps done)`` ends the run early (a budget in FLOPs rather
+    than steps: ``steps`` is then the most it may run, and the plugin's spans still count it).
 
     ``step_scope(micro_step, batch)`` is entered around each micro-step's ``process_batch`` (a twin
     A/B, ``hosts/lab/twin.py``, reseeds and pairs the step's noise there). ``clock`` times the steps
@@ -377,8 +380,14 @@ def train_lora(
             result.logs.append(logs)
             if on_step is not None:
                 on_step(step, logs)
-            if (validate_every and (step + 1) % validate_every == 0) or step + 1 == steps or step + 1 in validate_at:
-                _validate(result, lora_model, validate, step + 1)
+            done = step + 1
+            stopping = stop_if is not None and stop_if(done)  # both called after every step: they may keep count
+            asked = validate_if is not None and validate_if(done)
+            last = done == steps or stopping
+            if last or asked or (validate_every and done % validate_every == 0) or done in validate_at:
+                _validate(result, lora_model, validate, done)
+            if last:
+                break
     result.deltas = lora_deltas(lora_model)
     return result
 

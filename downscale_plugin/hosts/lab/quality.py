@@ -72,3 +72,70 @@ def variance_ratio(paired: Sequence[float], unpaired: Sequence[float]) -> float 
         return None
     vp = statistics.variance(paired)
     return None if vp == 0 else statistics.variance(unpaired) / vp
+
+
+def monotone_fit(ys: Sequence[float]) -> list[float]:
+    """The least-squares non-increasing fit of a validation curve (pool adjacent violators): the
+    smoothed curve time to quality is read from. A fine-tune's expected validation loss falls as it
+    trains; the fit removes the validation points' noise without a bandwidth to choose."""
+    blocks: list[list[float]] = []  # [mean, weight]
+    for y in ys:
+        blocks.append([float(y), 1.0])
+        while len(blocks) > 1 and blocks[-2][0] < blocks[-1][0]:
+            m2, w2 = blocks.pop()
+            m1, w1 = blocks.pop()
+            blocks.append([(m1 * w1 + m2 * w2) / (w1 + w2), w1 + w2])
+    return [m for m, w in blocks for _ in range(int(w))]
+
+
+def first_reach(xs: Sequence[float], ys: Sequence[float], target: float) -> float | None:
+    """The first x at which the curve (``ys`` over increasing ``xs``) reaches ``target`` or below,
+    linearly interpolated between the two points that bracket it; None if it never does."""
+    if len(xs) != len(ys) or not xs:
+        raise ValueError("first_reach needs equally long, non-empty xs and ys")
+    if ys[0] <= target:
+        return xs[0]
+    for i in range(1, len(xs)):
+        if ys[i] <= target:
+            x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+            return x1 if y0 == y1 else x0 + (x1 - x0) * (y0 - target) / (y0 - y1)
+    return None
+
+
+@dataclass(frozen=True)
+class RatioInterval:
+    """Geometric-mean ratio (arm ÷ native) over seeds with its paired 95 % interval from the t interval
+    of the log-ratios, the bootstrap's percentile interval of the same mean as a check, and how many
+    seeds reached the target (the others enter at the run's cap: their ratio is a lower bound)."""
+
+    ratio: float
+    lo: float | None
+    hi: float | None
+    boot_lo: float | None
+    boot_hi: float | None
+    reached: int
+    seeds: int
+
+    def as_dict(self) -> dict[str, float | int | None]:
+        return {"ratio": self.ratio, "lo": self.lo, "hi": self.hi, "boot_lo": self.boot_lo, "boot_hi": self.boot_hi,
+                "reached": self.reached, "seeds": self.seeds}  # fmt: skip
+
+
+def bootstrap_mean_interval(values: Sequence[float], level: float = 0.95, reps: int = 10_000, seed: int = 0) -> tuple[float, float]:
+    """Percentile bootstrap interval of the mean over independent values (seeds resampled with replacement)."""
+    import numpy as np
+
+    x = np.asarray(values, dtype=float)
+    means = x[np.random.default_rng(seed).integers(len(x), size=(reps, len(x)))].mean(axis=1)
+    return float(np.quantile(means, (1 - level) / 2)), float(np.quantile(means, (1 + level) / 2))
+
+
+def ratio_interval(ratios: Sequence[float], reached: Sequence[bool], level: float = 0.95) -> RatioInterval:
+    """:class:`RatioInterval` of per-seed ratios (each seed's arm ÷ its own native twin)."""
+    if len(ratios) != len(reached) or not ratios or any(r <= 0 for r in ratios):
+        raise ValueError("ratio_interval needs one positive ratio and one reached flag per seed")
+    logs = [math.log(r) for r in ratios]
+    iv = paired_interval(logs, level)
+    boot = bootstrap_mean_interval(logs, level) if len(logs) > 1 else (None, None)
+    exp = lambda v: None if v is None else math.exp(v)  # noqa: E731
+    return RatioInterval(math.exp(iv.mean), exp(iv.lo), exp(iv.hi), exp(boot[0]), exp(boot[1]), sum(reached), len(ratios))

@@ -17,14 +17,18 @@ from __future__ import annotations
 import argparse
 import itertools
 import math
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
 from ...flops import FlopModel
+from ...grid import target_grid
 from ...lab.model import image_tokens
-from ...lab.trainer import seed_micro_step
+from ...lab.trainer import seed_micro_step, train_lora
 from ...mapping.paired import coupled_small_noise, injected_noise
 from ...plan import plan_table
 from .adapter import LabPlugin, lab_sampler
@@ -81,3 +85,94 @@ def equal_compute_steps(native_steps: int, saving: float, extra: float = 1.1) ->
     if not 0.0 <= saving < 1.0:
         raise ValueError(f"saving must be in [0, 1) (got {saving})")
     return math.ceil(extra * native_steps / (1.0 - saving))
+
+
+@dataclass
+class BudgetRun:
+    """A twin run to a compute budget (``run_to_budget``): per step the tokens it ran and its clock
+    seconds; per validation point (the first at step 0) the step, the training FLOPs and clock seconds
+    spent so far, the validation loss and its per-item losses."""
+
+    steps: list[int] = field(default_factory=list)  # validation points: steps done
+    flops: list[float] = field(default_factory=list)
+    seconds: list[float] = field(default_factory=list)
+    val: list[float] = field(default_factory=list)
+    items: list[list[float]] = field(default_factory=list)
+    tokens_run: list[int] = field(default_factory=list)  # per step
+    step_seconds: list[float] = field(default_factory=list)  # per step
+    native_flops: float = 0.0  # the native twin's training FLOPs over ``native_steps``: the budget's unit
+
+
+def native_run_flops(data: Any, seed: int, steps: int, batch_size: int, flop_model: FlopModel) -> float:
+    """The training FLOPs of a native run's first ``steps`` steps: its batches' grids are a function
+    of (seed, step), so every twin of the same seed shares it."""
+    grids = (data.batch(step, batch_size, seed)["latents"].shape[-2:] for step in range(steps))
+    return sum(batch_size * flop_model.flops(image_tokens(*hw)) for hw in grids)
+
+
+def run_to_budget(
+    model: Any,
+    data: Any,
+    plugin: LabPlugin | None,
+    *,
+    seed: int,
+    native_steps: int,
+    budget: float,
+    points: int,
+    lr: float,
+    rank: int,
+    validate: Callable[[dict], torch.Tensor],
+    flop_model: FlopModel,
+    batch_size: int = 1,
+    clock: Callable[[], float] = time.process_time,
+) -> BudgetRun:
+    """Train a twin until it has spent ``budget`` × its native twin's FLOPs over ``native_steps``,
+    validating when the FLOPs spent first reach each k/``points`` of that unit (so every arm of a seed
+    is read on one FLOP grid; a native twin at budget 1 stops at exactly ``native_steps``).
+
+    ``validate(deltas)`` returns per-item native-grid losses (``lab.trainer.native_validation_losses``
+    bound to the held-out set); a point's loss is their mean."""
+    if budget <= 0 or points < 1 or native_steps < 1:
+        raise ValueError(f"budget must be > 0, points and native_steps >= 1 (got {budget}, {points}, {native_steps})")
+    out = BudgetRun(native_flops=native_run_flops(data, seed, native_steps, batch_size, flop_model))
+    twin = TwinRun(seed, flop_model, batch_size)
+    spent, next_point, last = [0.0], [1], budget * out.native_flops * (1 - 1e-12)
+
+    def step_done(done: int) -> bool:
+        tokens = twin.native_tokens[done - 1] if plugin is None else plugin.trace[done - 1].tokens_run
+        out.tokens_run.append(tokens)
+        spent[0] += batch_size * flop_model.flops(tokens)
+        return spent[0] >= last
+
+    def at_point(done: int) -> bool:
+        reached = spent[0] >= next_point[0] * out.native_flops / points * (1 - 1e-12)
+        while spent[0] >= next_point[0] * out.native_flops / points * (1 - 1e-12):
+            next_point[0] += 1
+        return reached
+
+    def record(deltas: dict) -> float:
+        items = validate(deltas)
+        out.items.append([round(v, 7) for v in items.flatten().tolist()])
+        out.val.append(items.mean().item())
+        out.flops.append(spent[0])
+        return out.val[-1]
+
+    ceiling = math.ceil(budget * out.native_flops / (batch_size * min_step_flops(data, plugin, flop_model)))
+    result = train_lora(
+        model, data, steps=ceiling, lr=lr, rank=rank, seed=seed, batch_size=batch_size,
+        hook_installer=None if plugin is None else plugin.installer, validate=record,
+        validate_if=at_point, stop_if=step_done, step_scope=twin, clock=clock,
+    )  # fmt: skip
+    out.step_seconds = list(result.step_times)
+    elapsed = list(itertools.accumulate(result.step_times))
+    out.steps = [steps for _, steps, _ in result.val_curve]
+    out.seconds = [elapsed[s - 1] if s else 0.0 for s in out.steps]
+    return out
+
+
+def min_step_flops(data: Any, plugin: LabPlugin | None, flop_model: FlopModel) -> float:
+    """The fewest FLOPs one sample's step can cost (its smallest reachable grid): bounds a budget run's steps."""
+    grids = [data.cfg.latent_hw(b) for b in data.cfg.buckets]
+    if plugin is not None:
+        grids += [g for hw in grids for rule in plugin.cfg.routes if (g := target_grid(hw, rule.ratio, plugin.arch)) is not None]
+    return min(flop_model.flops(image_tokens(*hw)) for hw in grids)

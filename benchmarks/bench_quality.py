@@ -468,7 +468,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def _worker_command(argv: list[str]) -> list[str]:
-    return [sys.executable, __file__, *[a for a in argv if not a.startswith("--jobs")], "--worker"]
+    """This command as a worker: ``--jobs`` (and its value) dropped, ``--worker`` added."""
+    keep, skip = [], False
+    for a in argv:
+        if skip or a.startswith("--jobs"):
+            skip = a == "--jobs"
+            continue
+        keep.append(a)
+    return [sys.executable, __file__, *keep, "--worker"]
 
 
 def todo(args: argparse.Namespace) -> list[tuple[str, int]]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import sys
 from pathlib import Path
 
 import pytest
@@ -13,7 +14,7 @@ import torch
 from downscale_plugin.config import load_config
 from downscale_plugin.flops import FlopModel
 from downscale_plugin.hosts.lab.adapter import LabPlugin
-from downscale_plugin.hosts.lab.quality import paired_interval, value_at, variance_ratio
+from downscale_plugin.hosts.lab.quality import first_reach, monotone_fit, paired_interval, ratio_interval, value_at, variance_ratio
 from downscale_plugin.hosts.lab.twin import TwinRun, equal_compute_steps, twin_step
 from downscale_plugin.lab.data import LabData, LabDataConfig
 from downscale_plugin.lab.model import LabModelConfig, build_model, flop_shape
@@ -136,37 +137,122 @@ def _bench():
     path = Path(__file__).resolve().parent.parent / "benchmarks" / "bench_quality.py"
     spec = importlib.util.spec_from_file_location("bench_quality", path)
     module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_quality"] = module  # its dataclasses resolve their module by name
     spec.loader.exec_module(module)
     return module
 
 
-def _synthetic_run(arm: str, seed: int, flops_per_step: float, slope: float, steps: int, offset: float) -> dict:
-    """A run whose validation loss falls linearly in its steps: val = 1 − slope·step + offset."""
-    points = range(0, steps + 1, 4)
-    return {
-        "arm": arm, "seed": seed, "routed_share": 0.0 if arm == "native" else 1.0, "flop_saving": 1.0 - flops_per_step,
-        "flop_saving_planned": 1.0 - flops_per_step, "cpu_s_at_steps": 8.0 * flops_per_step,
-        "curve": [{"step": s, "flops": s * flops_per_step, "cpu_s": s * flops_per_step, "val": 1.0 - slope * s + offset} for s in points],
-    }  # fmt: skip
+def _synthetic_run(arm: str, seed: int, flops_per_step: float, progress: float, steps: int, tau: float) -> dict:
+    """A run whose validation loss falls linearly to a plateau: val = 1 − 0.1·min(progress·step/tau, 1),
+    validated every step; CPU seconds = 2 × FLOPs."""
+    curve = [{"step": k, "flops": k * flops_per_step, "cpu_s": 2 * k * flops_per_step, "val": 1.0 - 0.1 * min(progress * k / tau, 1.0)}
+             for k in range(steps + 1)]  # fmt: skip
+    items = [[p["val"]] * 40 for p in curve]  # 10 crops × 4 σ × 1 draw, every item the mean
+    settings = {"steps": 16, "val_per_bucket": 2, "val_draws": 1, "val_sigmas": [0.1, 0.35, 0.6, 0.85]}
+    return {"arm": arm, "seed": seed, "settings": settings, "native_flops": 16.0, "curve": curve, "items": items,
+            "tokens_run": [1] * steps, "routed": [] if arm == "native" else [0] * steps}  # fmt: skip
 
 
-def test_equal_steps_and_equal_compute_read_offs_on_synthetic_runs() -> None:
-    """A routed arm at half the FLOPs per step and 0.8× the progress per step: worse at equal steps,
-    better at equal compute (it gets twice the steps), by amounts known in closed form."""
+def test_time_to_quality_read_offs_on_synthetic_runs() -> None:
+    """Native: 1 FLOP per step, 90 % of its improvement at step 0.9·τ. An arm at half the FLOPs per step
+    with native's progress per step reaches it at half the FLOPs (ratio 0.5); one at 0.8× the progress
+    at 0.625; a control that plateaus at half the improvement never does."""
     bench = _bench()
-    steps, runs = 8, {}
-    for seed, offset in enumerate((0.0, 0.01, -0.02)):  # a seed lottery the pairing must cancel
-        runs["native", seed] = _synthetic_run("native", seed, 1.0, 0.01, steps, offset)
-        runs["all0.5", seed] = _synthetic_run("all0.5", seed, 0.5, 0.008, 2 * steps + 4, offset + 0.001 * seed)
-    s = bench.summarize(runs, steps, base_val=1.0)
-    arm = s["arms"]["all0.5"]
-    # equal steps: (1 − 0.064) − (1 − 0.08) = +0.016 (+ the seed-specific 0.001·seed); equal compute: 16 steps, 1 − 0.128 vs 1 − 0.08
-    assert arm["equal_steps_per_seed"] == pytest.approx([0.016, 0.017, 0.018])
-    assert arm["equal_compute_per_seed"] == pytest.approx([-0.048, -0.047, -0.046])
-    assert arm["equal_steps"]["mean"] == pytest.approx(0.017) and arm["equal_steps"]["lo"] > 0
-    assert arm["equal_compute"]["hi"] < 0 and arm["flop_saving"] == pytest.approx(0.5)
-    assert arm["cpu_at_equal_compute_vs_native"] == pytest.approx(1.0) and arm["wall_saving"] == pytest.approx(0.5)
-    assert s["native_improvement"] == pytest.approx(0.08 - (0.01 - 0.02) / 3)
-    runs["all0.5", 1] = _synthetic_run("all0.5", 1, 0.5, 0.008, steps + 4, 0.0)  # stopped before the native FLOPs
-    short = bench.summarize(runs, steps, base_val=1.0)["arms"]["all0.5"]
-    assert short["equal_compute_missing_seeds"] == [1] and len(short["equal_compute_per_seed"]) == 2
+    runs = {}
+    for seed, tau in enumerate((12.0, 10.0, 11.0)):  # a seed lottery the pairing must cancel
+        runs["native", seed] = _synthetic_run("native", seed, 1.0, 1.0, 16, tau)
+        runs["eps0.1", seed] = _synthetic_run("eps0.1", seed, 0.5, 1.0, 35, tau)
+        runs["eps0.2", seed] = _synthetic_run("eps0.2", seed, 0.5, 0.8, 35, tau)
+        control = _synthetic_run("all0.5", seed, 0.25, 1.0, 64, tau)
+        control["curve"] = [{**p, "val": 1.0 - 0.05 * min(p["step"] / tau, 1.0)} for p in control["curve"]]
+        runs["all0.5", seed] = control
+    s = bench.summarize(runs, ["native", "eps0.1", "eps0.2", "all0.5"])
+    assert s["native_gain"] == pytest.approx(0.1) and s["native_gain_fraction"] == pytest.approx(0.1)
+    assert s["native_last_quarter_share"]["max"] == pytest.approx(0.0)  # every τ ≤ 12 of 16 steps: flat last quarter
+    for arm, expected in (("native", 1.0), ("eps0.1", 0.5), ("eps0.2", 0.625)):
+        ttq = s["arms"][arm]["time_to_quality"]
+        assert ttq["flops"]["ratio"] == pytest.approx(expected) and ttq["cpu"]["ratio"] == pytest.approx(expected)
+        assert ttq["flops"]["reached"] == 3 and ttq["flops"]["lo"] == pytest.approx(expected)  # the same ratio every seed
+    control = s["arms"]["all0.5"]["time_to_quality"]["flops"]
+    assert control["reached"] == 0 and control["ratio"] > 1.0  # entered at its cap: a lower bound beyond native
+    ec = s["arms"]["eps0.1"]["equal_compute"]
+    assert ec["1"]["mean"] == pytest.approx(0.0) and ec["0.5"]["mean"] < 0  # ahead at half the compute, level at the plateau
+    control_ec = s["arms"]["all0.5"]["equal_compute"]["1"]
+    assert control_ec["mean"] == pytest.approx(0.05) and not control_ec["non_inferior"]
+    assert s["arms"]["eps0.1"]["equal_steps"]["mean"] == pytest.approx(0.0)
+    assert s["arms"]["eps0.1"]["flop_saving_per_step"] == pytest.approx(0.5)
+    assert s["validation_se_of_gain"] == pytest.approx(0.0)  # every item moved alike
+
+
+def test_monotone_fit_first_reach_and_ratio_interval() -> None:
+    assert monotone_fit([3.0, 1.0, 2.0, 0.0]) == pytest.approx([3.0, 1.5, 1.5, 0.0])
+    assert monotone_fit([1.0, 2.0, 3.0]) == pytest.approx([2.0, 2.0, 2.0])
+    assert first_reach([0.0, 10.0, 20.0], [1.0, 0.6, 0.2], 0.4) == pytest.approx(15.0)
+    assert first_reach([0.0, 10.0], [1.0, 0.6], 0.5) is None and first_reach([5.0, 10.0], [0.3, 0.2], 0.5) == 5.0
+    iv = ratio_interval([0.5, 0.5, 2.0, 2.0], [True, True, True, False])
+    assert iv.ratio == pytest.approx(1.0) and iv.lo < 1.0 < iv.hi and iv.reached == 3 and iv.seeds == 4
+    assert iv.boot_lo <= 1.0 <= iv.boot_hi and iv.lo < iv.boot_lo  # the bootstrap's percentile interval is the narrower at n = 4
+    with pytest.raises(ValueError, match="positive ratio"):
+        ratio_interval([0.0], [True])
+
+
+def test_stored_runs_record_the_code_and_stale_ones_are_refused() -> None:
+    bench = _bench()
+    now = bench.code_state()
+    assert bench.stale_reason({"code": dict(now)}, now) is None
+    assert "no code revision" in bench.stale_reason({}, now)
+    other = "" if now["uncommitted"] else "feed"
+    assert "another uncommitted change" in bench.stale_reason({"code": {**now, "uncommitted": other}}, now)
+    assert "not in this checkout" in bench.stale_reason({"code": {"revision": "0" * 40, "uncommitted": now["uncommitted"]}}, now)
+    old = bench._git("rev-list", "-1", "ba8793b")  # before the concept task: the study's files changed since
+    if old:
+        assert "downscale_plugin/lab/" in bench.stale_reason({"code": {"revision": old.strip(), "uncommitted": now["uncommitted"]}}, now)
+
+
+def test_two_seeds_share_no_sigma_or_noise_draw(lab, monkeypatch) -> None:
+    """Every twin micro-step draws from its own stream: over two training seeds' runs, no σ and no noise
+    tensor repeats, across seeds or steps (runs made before the step-seed hash shared both)."""
+    from downscale_plugin.lab import flux_train_utils
+
+    original = flux_train_utils.get_noisy_model_input_and_timesteps
+    draws: dict[int, list[tuple[float, tuple[float, ...]]]] = {0: [], 1: []}
+    seed_now = [0]
+
+    def record(args, noise_scheduler, latents, noise, device, dtype):
+        out = original(args, noise_scheduler, latents, noise, device, dtype)
+        draws[seed_now[0]].append((float(out[2].flatten()[0]), tuple(noise.flatten()[:8].tolist())))
+        return out
+
+    monkeypatch.setattr(flux_train_utils, "get_noisy_model_input_and_timesteps", record)
+    for seed in (0, 1):
+        seed_now[0] = seed
+        _run(lab, None, twin=True, steps=24, seed=seed)
+    sigmas = [d[0] for seed in (0, 1) for d in draws[seed]]
+    noises = [d[1] for seed in (0, 1) for d in draws[seed]]
+    assert len(draws[0]) == len(draws[1]) == 24
+    assert len(set(sigmas)) == len(sigmas) and len(set(noises)) == len(noises)
+
+
+def test_run_to_budget_validates_on_the_flop_grid(lab) -> None:
+    """A native twin at budget 1 stops at exactly its steps; a routed one runs past them to its budget,
+    validated once per 1/points of the native FLOPs it crosses."""
+    from downscale_plugin.hosts.lab.twin import run_to_budget
+
+    model, data = lab
+    flop_model = FlopModel(*flop_shape(TINY))
+
+    def validate(deltas: dict) -> torch.Tensor:
+        return torch.tensor([float(sum(d.abs().sum() for d in deltas.values()))])
+
+    common = dict(seed=2, native_steps=8, points=4, lr=1e-2, rank=2, validate=validate, flop_model=flop_model)
+    native = run_to_budget(model, data, None, budget=1.0, **common)
+    assert len(native.tokens_run) == 8 and native.flops[-1] == pytest.approx(native.native_flops)
+    assert native.steps[0] == 0 and native.steps[-1] == 8 and len(native.steps) == 5  # step 0, then each quarter
+    assert native.val[0] == 0.0 and len(native.items) == 5
+    plugin = LabPlugin.for_lab(load_config(table={"arch": "flux", "routes": ROUTES}), TINY, data)
+    routed = run_to_budget(model, data, plugin, budget=1.5, **common)
+    assert routed.native_flops == native.native_flops  # the same seed: the same batches
+    assert 1.5 * native.native_flops <= routed.flops[-1] < 1.5 * native.native_flops + flop_model.flops(max(routed.tokens_run))
+    assert len(routed.tokens_run) > 8 and len(routed.steps) == 1 + 6  # 6 quarters in 1.5 units
+    marks = [k * native.native_flops / 4 for k in range(1, 7)]
+    assert all(f >= m * (1 - 1e-9) for f, m in zip(routed.flops[1:], marks, strict=True))

@@ -74,6 +74,10 @@ CONTROL = "all0.5"
 QUALITY_LEVELS = (0.75, 0.9, 1.0)
 EQUAL_COMPUTE = (0.5, 0.75, 1.0)
 MARGIN_SHARE = 0.1  # the non-inferiority margin: a tenth of native's improvement
+# The break-even extrapolation's production setting: Flux at 1 024 px (4 096 image tokens, 512 text tokens),
+# and the share of the FLOP model's per-step saving realized in time there: SD3 at 512 px on sd-scripts'
+# own classes realized 0.96 and 0.97 of it (benchmarks/RESULTS.md, "Production width", run 5).
+PRODUCTION_ARCH, PRODUCTION_TOKENS, REALIZED = "flux", 4096, 0.96
 # What a run's figures depend on besides its settings and its arm's table: a change here makes stored runs stale.
 STUDY_PATHS = (
     "downscale_plugin/lab",
@@ -280,7 +284,7 @@ def summarize(runs: dict[tuple[str, int], dict[str, Any]], arms: list[str]) -> d
             1 - r["curve"][-1]["flops"] / (r["native_flops"] * len(r["tokens_run"]) / n_steps) for r in rs
         )
         entry["time_to_quality"] = {}
-        for key, name in (("flops", "flops"), ("cpu_s", "cpu")):
+        for key, name in (("flops", "flops"), ("cpu_s", "cpu"), ("step", "steps")):
             per_level = {}
             for q in QUALITY_LEVELS:
                 ratios, reached = [], []
@@ -313,7 +317,33 @@ def summarize(runs: dict[tuple[str, int], dict[str, Any]], arms: list[str]) -> d
             for s in seeds
         ]  # fmt: skip
         entry["cpu_per_step_vs_native"] = statistics.fmean(cpu_ratio)
+        entry["production"] = production_extrapolation(rs, entry["time_to_quality"]["steps"])
         out["arms"][arm] = entry
+    return out
+
+
+def production_extrapolation(runs: list[dict[str, Any]], steps_to_90: dict[str, Any]) -> dict[str, Any]:
+    """The arm's time to 90 % quality on a production model, extrapolated: the lab's steps-to-target
+    ratio (the inverse of its per-step teaching efficiency) × the per-step time ratio its routes would
+    have on Flux at 1 024 px (the FLOP model's cost of each route's grid, its realized share of the
+    predicted saving taken as ``REALIZED``). Assumes the lab's teaching efficiency and routed shares
+    transfer, which is what a user must check on their own model."""
+    from downscale_plugin.arch import get_arch
+    from downscale_plugin.config import load_config
+
+    cost = get_arch(PRODUCTION_ARCH).flops.flops
+    native = cost(PRODUCTION_TOKENS)
+    shares: dict[float, float] = {}
+    for run in runs:
+        ratios = [rule.ratio for rule in load_config(plugin_toml=run["table"]).routes] if run["table"] else []
+        for index in run["routed"]:
+            if index >= 0:
+                shares[ratios[index]] = shares.get(ratios[index], 0.0) + 1 / len(run["routed"]) / len(runs)
+    saving = sum(share * (1 - cost(PRODUCTION_TOKENS * ratio**2) / native) for ratio, share in shares.items())
+    out = {"flop_saving_per_step": saving, "realized_share": REALIZED, "time_ratio": {}}
+    for name, realized in (("flop_model", 1.0), ("realized", REALIZED)):
+        per_step = 1 - saving * realized
+        out["time_ratio"][name] = {k: (None if steps_to_90[k] is None else steps_to_90[k] * per_step) for k in ("ratio", "lo", "hi")}
     return out
 
 
@@ -373,6 +403,20 @@ def report(summary: dict[str, Any], header: str) -> str:
     for arm, e in summary["arms"].items():
         ec = e["equal_compute"]
         lines.append(f"| {arm} | {_iv(ec.get('0.5'))} | {_iv(ec.get('0.75'))} | {_iv(ec.get('1'))} | {_iv(e['equal_steps'])} |")
+    lines += [
+        "",
+        f"Break-even toward production (an extrapolation): steps to 90 % (arm ÷ native, the lab's) × the per-step time ratio of the "
+        f"arm's routes on {PRODUCTION_ARCH} at 1 024 px (FLOP model; realized share {REALIZED:g}); below 1 = sooner there:",
+        "",
+        "| arm | steps to 90 % | production FLOP saving per step | time to 90 % at production (FLOP model) | at realized share |",
+        "|---|---|---|---|---|",
+    ]
+    for arm, e in summary["arms"].items():
+        st, prod = e["time_to_quality"]["steps"], e["production"]
+        fm, rl = prod["time_ratio"]["flop_model"], prod["time_ratio"]["realized"]
+        lines.append(
+            f"| {arm} | {_ratio(st)} | {100 * prod['flop_saving_per_step']:.1f} % | {_ratio({**st, **fm})} | {_ratio({**st, **rl})} |"
+        )
     return "\n".join(lines)
 
 

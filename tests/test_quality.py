@@ -11,6 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from downscale_plugin.arch import get_arch
 from downscale_plugin.config import load_config
 from downscale_plugin.flops import FlopModel
 from downscale_plugin.hosts.lab.adapter import LabPlugin
@@ -149,7 +150,8 @@ def _synthetic_run(arm: str, seed: int, flops_per_step: float, progress: float, 
              for k in range(steps + 1)]  # fmt: skip
     items = [[p["val"]] * 40 for p in curve]  # 10 crops × 4 σ × 1 draw, every item the mean
     settings = {"steps": 16, "val_per_bucket": 2, "val_draws": 1, "val_sigmas": [0.1, 0.35, 0.6, 0.85]}
-    return {"arm": arm, "seed": seed, "settings": settings, "native_flops": 16.0, "curve": curve, "items": items,
+    table = None if arm == "native" else {"routes": [{"route": "256:128", "sigma_min": 0.0}]}
+    return {"arm": arm, "seed": seed, "settings": settings, "native_flops": 16.0, "curve": curve, "items": items, "table": table,
             "tokens_run": [1] * steps, "routed": [] if arm == "native" else [0] * steps}  # fmt: skip
 
 
@@ -182,6 +184,13 @@ def test_time_to_quality_read_offs_on_synthetic_runs() -> None:
     assert s["arms"]["eps0.1"]["equal_steps"]["mean"] == pytest.approx(0.0)
     assert s["arms"]["eps0.1"]["flop_saving_per_step"] == pytest.approx(0.5)
     assert s["validation_se_of_gain"] == pytest.approx(0.0)  # every item moved alike
+    # Production: the same steps to 90 % as native (ratio 1), every step at half of a 4 096-token Flux grid.
+    cost = get_arch("flux").flops.flops
+    prod = s["arms"]["eps0.1"]["production"]
+    assert s["arms"]["eps0.1"]["time_to_quality"]["steps"]["ratio"] == pytest.approx(1.0)
+    assert prod["flop_saving_per_step"] == pytest.approx(1 - cost(1024) / cost(4096))
+    assert prod["time_ratio"]["flop_model"]["ratio"] == pytest.approx(cost(1024) / cost(4096))
+    assert s["arms"]["eps0.2"]["time_to_quality"]["steps"]["ratio"] == pytest.approx(1.25)
 
 
 def test_monotone_fit_first_reach_and_ratio_interval() -> None:

@@ -28,12 +28,12 @@ def measure(rounds: int, quick: bool) -> dict[str, Any]:
 
     from downscale_plugin.config import load_config
     from downscale_plugin.hosts.lab.adapter import LabPlugin
-    from downscale_plugin.hosts.lab.quality import bootstrap_mean_interval
     from downscale_plugin.lab.concept import ConceptData
     from downscale_plugin.lab.data import LabData, LabDataConfig
     from downscale_plugin.lab.model import LabModelConfig, LabTextEncoder
     from downscale_plugin.lab.pretrain import load_or_pretrain
     from downscale_plugin.lab.trainer import LabAccelerator, LabTrainer, inject_lora, lab_args, make_noise_scheduler
+    from downscale_plugin.quality import bootstrap_mean_interval
 
     torch.set_num_threads(1)
     clock = time.process_time

@@ -216,13 +216,13 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str
 
 
 def _fit(run: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
-    from downscale_plugin.hosts.lab.quality import monotone_fit
+    from downscale_plugin.quality import monotone_fit
 
     return [p[key] for p in run["curve"]], monotone_fit([p["val"] for p in run["curve"]])
 
 
 def time_to(run: dict[str, Any], key: str, target: float) -> float | None:
-    from downscale_plugin.hosts.lab.quality import first_reach
+    from downscale_plugin.quality import first_reach
 
     return first_reach(*_fit(run, key), target)
 
@@ -233,7 +233,7 @@ def _raw(run: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
 
 def native_facts(native: dict[str, Any]) -> dict[str, float]:
     """A native run's base, plateau (its fitted end), improvement and the last quarter's share of it."""
-    from downscale_plugin.hosts.lab.quality import value_at
+    from downscale_plugin.quality import value_at
 
     xs, fit = _fit(native, "flops")
     base, plateau = native["curve"][0]["val"], fit[-1]
@@ -259,7 +259,7 @@ def validation_error(native: dict[str, Any]) -> float:
 
 def summarize(runs: dict[tuple[str, int], dict[str, Any]], arms: list[str]) -> dict[str, Any]:
     """Per arm, paired against the same seed's native twin (seeds that have both)."""
-    from downscale_plugin.hosts.lab.quality import paired_interval, ratio_interval, value_at
+    from downscale_plugin.quality import paired_interval, ratio_interval, value_at
 
     natives = {s: r for (a, s), r in runs.items() if a == "native"}
     facts = {s: native_facts(r) for s, r in natives.items()}
@@ -427,7 +427,7 @@ def plot(runs: dict[tuple[str, int], dict[str, Any]], summary: dict[str, Any], p
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from downscale_plugin.hosts.lab.quality import value_at
+    from downscale_plugin.quality import value_at
 
     fig, (ax_curve, ax_ttq) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
     grid = [k / 40 for k in range(51)]

@@ -1,4 +1,4 @@
-"""Twin runs (hosts/lab/twin.py) and the quality study's statistics (hosts/lab/quality.py,
+"""Twin runs (hosts/lab/twin.py) and the quality study's statistics (quality.py,
 benchmarks/bench_quality.py's read-offs) on synthetic inputs."""
 
 from __future__ import annotations
@@ -15,12 +15,12 @@ from downscale_plugin.arch import get_arch
 from downscale_plugin.config import load_config
 from downscale_plugin.flops import FlopModel
 from downscale_plugin.hosts.lab.adapter import LabPlugin
-from downscale_plugin.hosts.lab.quality import first_reach, monotone_fit, paired_interval, ratio_interval, value_at, variance_ratio
 from downscale_plugin.hosts.lab.twin import TwinRun, equal_compute_steps, twin_step
 from downscale_plugin.lab.data import LabData, LabDataConfig
 from downscale_plugin.lab.model import LabModelConfig, build_model, flop_shape
 from downscale_plugin.lab.trainer import step_seed, train_lora
 from downscale_plugin.mapping.paired import coupled_small_noise
+from downscale_plugin.quality import first_reach, monotone_fit, paired_interval, ratio_interval, value_at
 
 TINY = LabModelConfig(hidden_size=32, num_heads=2, double_layers=1, single_layers=1, latent_channels=4,
                       text_tokens=4, text_dim=16, pooled_dim=8)  # fmt: skip
@@ -130,7 +130,6 @@ def test_value_at_interpolates_and_refuses_to_extrapolate() -> None:
     assert value_at(xs, ys, 20.5) is None and value_at(xs, ys, -1.0) is None
     with pytest.raises(ValueError, match="non-decreasing"):
         value_at([0.0, 2.0, 1.0], ys, 1.0)
-    assert variance_ratio([0.0, 1.0], [0.0, 4.0]) == pytest.approx(16.0) and variance_ratio([1.0], [0.0, 1.0]) is None
     assert equal_compute_steps(64, 0.5) == 141 and equal_compute_steps(64, 0.0, extra=1.0) == 64
 
 

@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING
 
 from ...cli import fail
 from ...config import ConfigError, DownscaleConfig, load_config, read_plugin_toml
-from .quality import first_reach, monotone_fit, value_at
+from ...quality import first_reach, monotone_fit, value_at
 
 if TYPE_CHECKING:  # the lab's dependencies (diffusers, peft) load only when the demo runs
     from .adapter import LabPlugin

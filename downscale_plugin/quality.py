@@ -1,5 +1,6 @@
-"""Statistics of a twin quality study (``benchmarks/bench_quality.py``): paired intervals over seeds
-and a run's validation loss read off at a given compute.
+"""Time to quality of paired runs: the lab study's twins (``benchmarks/bench_quality.py``) and a
+user's native and routed runs in their own host (``ttq``): paired intervals over seeds, a run's
+validation loss read off at a given compute, and when its smoothed curve reaches a target.
 
 Each seed gives one paired difference (routed twin − native twin, same seed); seeds are independent,
 so the mean difference gets a Student t interval. Its assumption: the per-seed differences are i.i.d.
@@ -63,15 +64,6 @@ def value_at(xs: Sequence[float], ys: Sequence[float], x: float) -> float | None
             x0, x1 = xs[i - 1], xs[i]
             return ys[i] if x1 == x0 else ys[i - 1] + (ys[i] - ys[i - 1]) * (x - x0) / (x1 - x0)
     return ys[0]  # a one-point curve at x
-
-
-def variance_ratio(paired: Sequence[float], unpaired: Sequence[float]) -> float | None:
-    """var(unpaired differences) / var(paired ones): how many times fewer seeds twins need for the
-    same interval width (None when either has fewer than two values or the paired variance is 0)."""
-    if len(paired) < 2 or len(unpaired) < 2:
-        return None
-    vp = statistics.variance(paired)
-    return None if vp == 0 else statistics.variance(unpaired) / vp
 
 
 def monotone_fit(ys: Sequence[float]) -> list[float]:

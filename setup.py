@@ -75,7 +75,7 @@ setup(
         ],
         # mode = "map" and "auto" inside a training run (config.MODE_PACKAGES; numpy comes with both hosts).
         "map": ["scipy>=1.10", "matplotlib>=3.7", "tqdm>=4.60"],
-        "dev": ["pytest>=8", "ruff>=0.6"],
+        "dev": ["pytest>=8", "ruff>=0.6", "tensorboard>=2.10"],  # tensorboard: the ttq command's tests write event files
     },
     entry_points={"console_scripts": ["downscale-plugin=downscale_plugin.__main__:main"]},
     classifiers=["License :: OSI Approved :: Apache Software License", "Programming Language :: Python :: 3"],

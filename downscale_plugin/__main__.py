@@ -16,6 +16,7 @@ COMMAND_MODULES = (
     "downscale_plugin.hosts.sd_scripts.cli",
     "downscale_plugin.hosts.musubi.cli",
     "downscale_plugin.hosts.lab.cli",
+    "downscale_plugin.hosts.kohya.ttq",
     "downscale_plugin.mapping.cli",
     "downscale_plugin.mapping.certify_cli",
     "downscale_plugin.hosts.lab.certify",

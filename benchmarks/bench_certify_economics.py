@@ -1,0 +1,221 @@
+"""Does ``mode = "auto"`` pay for itself? The real certifier on simulated draws, priced by the project's FLOP model.
+
+    python benchmarks/bench_certify_economics.py                  # 10 certifier seeds per cell (about a minute)
+    python benchmarks/bench_certify_economics.py --seeds 20 --out docs/fidelity/certify_economics
+
+A run of 3 000 single-sample passes at 1024² (latent 128×128), default settings (``in_run.in_run_setup`` on the default
+config: routes 0.875 / 0.75 / 0.5, the default bins, ε = 0.05, D = 4, looks 4/8/16, ``certify_budget`` 0.1), for
+
+- ``flux``: route pass costs from the Flux step FLOP model (``arch.get_arch("flux").flops``, 0.747 / 0.547 / 0.273),
+  σ from sd-scripts' ``flux_shift`` (μ = 1.15 at 4 096 packed tokens, the same law as ``shift`` 3.1582 there);
+- ``sdxl``: the UNet's linear model (r²: 0.766 / 0.5625 / 0.25), σ from DDPM t uniform on [0, 1000).
+
+The bins' masses are the sampler's, as ``hosts/kohya/auto.py`` reads them (host σ draws at the probes' grid). Every
+draw is the certifier's own (``run_certify`` over a :class:`SimulatedDraws`): per image a native mean gradient and a
+route mean at cosine 1 − gap_i, D = 4 paired draws with noise of the signal's norm, the route's noise correlated
+ρ = 0.9 with the native's (paired noise, as ``tests/test_certify.py``). The per-image true gaps, per scenario:
+
+- ``all_safe``: every (route, bin) at ε/10 (gap_i ~ N(0.005, 0.002²), clipped at 0);
+- ``lab_like``: the lab's measured per-image excess (docs/fidelity/lab_n64_d8_n16 for 0.875 / 0.75, its pooled map for
+  0.5: the maps of docs/FIDELITY.md §3), bin for bin, clipped to [0, TRIM]: only the top high-σ bins are safe;
+- ``none_safe``: every (route, bin) at 4 ε (gap_i ~ N(0.2, 0.05²)).
+
+Net = (routed saving − certification cost) / passes: the saving is what the written windows route over the passes
+after the probes (each bin's mass × 1 − the pass cost of the first stacked window that covers it, ``windows.stack_windows``),
+the cost is ``result.spent``; both in native-step equivalents of the FLOP model. ``reuse ARCH cost``: a second run of
+the same key that starts from the first run's windows file (``downscale_config`` = that ``windows.toml``: nothing
+certified, cost 0); its net is the windows' saving alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+
+import numpy as np
+import toml
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from downscale_plugin.arch import get_arch  # noqa: E402
+from downscale_plugin.bins import SigmaBins  # noqa: E402
+from downscale_plugin.config import load_config  # noqa: E402
+from downscale_plugin.grid import target_grid  # noqa: E402
+from downscale_plugin.mapping.arms import Arm  # noqa: E402
+from downscale_plugin.mapping.certify import CertifyResult, Verdicts, run_certify, windows_toml  # noqa: E402
+from downscale_plugin.mapping.estimator import Cell, excess  # noqa: E402
+from downscale_plugin.mapping.in_run import in_run_setup, pass_costs  # noqa: E402
+from downscale_plugin.mapping.safe_read import TRIM  # noqa: E402
+from downscale_plugin.mapping.windows import stack_windows  # noqa: E402
+from downscale_plugin.sigma import DdpmSampler, SigmaSampler  # noqa: E402
+
+PASSES, NATIVE_HW = 3000, (128, 128)
+SAMPLERS = {"flux": SigmaSampler(mode="flux_shift"), "sdxl": DdpmSampler()}
+SCENARIOS = ("all_safe", "lab_like", "none_safe")
+LAB_MAPS = {
+    "docs/fidelity/lab_n64_d8_n16/map.json": ("latent_0.875", "latent_0.75"),
+    "docs/fidelity/lab_n64_d8_n16_pool/map.json": ("latent_0.5",),
+}
+MASS_DRAWS = 1 << 16
+
+
+class SimulatedDraws:
+    """A :class:`~downscale_plugin.mapping.certify.DrawSource` with known per-image gaps: ``gaps[route, bin]`` is a
+    function image → true 1 − cos(μ_native, μ_route); pass costs are the FLOP model's ``fractions``."""
+
+    def __init__(self, gaps: Callable[[str, int, int], float], fractions: dict[str, float], images: int, seed: int, dim: int = 48):
+        self.gaps, self.fractions, self.images, self.seed, self.dim = gaps, fractions, images, seed, dim
+
+    def num_images(self) -> int:
+        return self.images
+
+    def cost(self, arm: Arm | None) -> float:
+        return 1.0 if arm is None else self.fractions[arm.name]
+
+    def draw_pairs(self, image: int, bin_: int, routes: Sequence[Arm], sink) -> None:
+        rng = np.random.default_rng([self.seed, image, bin_, 0xD2A3])
+        mu = rng.standard_normal(self.dim)
+        mu /= np.linalg.norm(mu)
+        draws = 4
+        xi = rng.standard_normal((draws, self.dim)) / math.sqrt(self.dim)
+        route_rows = {}
+        for arm in routes:
+            r = np.random.default_rng([self.seed, image, bin_, round(arm.ratio * 1000), 0x7A]).standard_normal((draws + 1, self.dim))
+            c = 1.0 - min(max(self.gaps(arm.name, bin_, image), 0.0), TRIM)
+            orth = r[0] - (r[0] @ mu) * mu
+            mean = 0.9 * (c * mu + math.sqrt(max(1.0 - c * c, 0.0)) * orth / np.linalg.norm(orth))
+            route_rows[arm.name] = mean + 0.9 * (0.9 * xi + math.sqrt(1 - 0.81) * r[1:] / math.sqrt(self.dim))
+        for d in range(draws):
+            sink(None, [torch.from_numpy(mu + xi[d])])
+            for arm in routes:
+                sink(arm.name, [torch.from_numpy(route_rows[arm.name][d])])
+
+
+def lab_gaps() -> dict[tuple[str, int], list[float]]:
+    """The lab maps' per-image excess by (route, bin), images in order (docs/FIDELITY.md §3)."""
+    out: dict[tuple[str, int], list[float]] = {}
+    for path, arms in LAB_MAPS.items():
+        with open(path) as fh:
+            cells = json.load(fh)["cells"]
+        for c in sorted(cells, key=lambda c: (c["bin"], c["image"])):
+            cell = Cell(
+                c["image"], c["bin"], *({k: math.nan if v is None else v for k, v in c[f].items()} for f in ("half_cos", "cos", "norm"))
+            )
+            for arm in arms:
+                value = excess(cell, arm)
+                out.setdefault((arm, c["bin"]), []).append(TRIM if not math.isfinite(value) else value)
+    return out
+
+
+def scenario_gaps(name: str, seed: int) -> Callable[[str, int, int], float]:
+    if name == "lab_like":
+        lab = lab_gaps()
+        return lambda route, b, image: lab[route, b][image % len(lab[route, b])]
+    centre, spread = {"all_safe": (0.005, 0.002), "none_safe": (0.2, 0.05)}[name]
+
+    def gap(route: str, b: int, image: int) -> float:
+        rng = np.random.default_rng([seed, image, b, round(float(route.split("_")[-1]) * 1000), 0x6A9])
+        return float(centre + spread * rng.standard_normal())
+
+    return gap
+
+
+def sampler_mass(arch: str) -> Callable[[float, float], float]:
+    """P(lo < σ ≤ hi) (a point bin: P(σ = hi)) under the arch's sampler at the native grid, as ``AutoSession.sigma_mass``."""
+    sigmas = SAMPLERS[arch].sample(MASS_DRAWS, NATIVE_HW, torch.Generator().manual_seed(0)).double()
+
+    def mass(lo: float, hi: float) -> float:
+        inside = (sigmas == hi) if hi <= lo else (sigmas > lo) & (sigmas <= hi)
+        return float(inside.double().mean())
+
+    return mass
+
+
+def routed_saving(result: CertifyResult, mass: Callable[[float, float], float], fractions: dict[str, float], passes: float) -> float:
+    """Native-step equivalents the written windows save over ``passes``: per bin, its mass × (1 − the pass cost of the
+    first stacked window covering it)."""
+    windows = stack_windows(Verdicts(result)).windows  # type: ignore[arg-type]
+    bins: SigmaBins = result.bins
+    total = 0.0
+    for b in range(len(bins)):
+        lo, hi = bins.bounds(b)
+        for w in windows:
+            top = math.inf if w.sigma_max is None else w.sigma_max
+            if w.sigma_min <= lo and (hi < top or (hi == top and not bins.is_endpoint(b))):
+                total += mass(lo, hi) * (1.0 - fractions[w.arm])
+                break
+    return passes * total
+
+
+def one_run(arch: str, scenario: str, seed: int) -> dict:
+    cfg = load_config(table={"mode": "auto", "map_out": "unused"})
+    setup = in_run_setup(cfg, PASSES, seed)
+    spec = get_arch(arch)
+    price = pass_costs(spec.flops, arch)
+    fractions = {a.name: price(target_grid(NATIVE_HW, a.ratio, spec), NATIVE_HW) for a in setup.routes}
+    mass = sampler_mass(arch)
+    source = SimulatedDraws(scenario_gaps(scenario, seed), fractions, setup.settings.looks.last, seed)
+    result = run_certify(
+        source, setup.routes, setup.bins, setup.settings, mass, provenance={"backend": {"arch": arch, "native_latent_hw": list(NATIVE_HW)}}
+    )
+    later = PASSES - setup.settings.looks.last
+    saving = routed_saving(result, mass, fractions, later)
+    reused = toml.loads(windows_toml(result)).get("routes", [])  # what a second run of the same key starts from
+    return {"arch": arch, "scenario": scenario, "seed": seed, "spent": result.spent, "saving": saving, "net": saving - result.spent,
+            "safe": [f"{t.route} {result.bins.label(t.bin)}" for t in result.safe_tests()], "reuse_routes": len(reused),
+            "notes": list(result.notes)}  # fmt: skip
+
+
+def revision() -> str:
+    try:
+        out = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True, cwd=os.path.dirname(__file__)
+        )
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=os.path.dirname(__file__)
+        )
+        return out.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
+    except (OSError, subprocess.CalledProcessError):
+        return "?"
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--seeds", type=int, default=10, help="certifier seeds per (arch, scenario)")
+    parser.add_argument("--out", default=None, help="directory for economics.json (default: print only)")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    runs, summary = [], {}
+    for arch in SAMPLERS:
+        for scenario in SCENARIOS:
+            cell = [one_run(arch, scenario, seed) for seed in range(args.seeds)]
+            runs += cell
+            summary[arch, scenario] = {k: float(np.mean([r[k] for r in cell])) for k in ("spent", "saving", "net")}
+            summary[arch, scenario]["net_min"] = float(min(r["net"] for r in cell))
+            summary[arch, scenario]["reuse_saving"] = summary[arch, scenario]["saving"]
+    print(
+        f"# revision {revision()}; {PASSES} passes at {NATIVE_HW[0] * 8}², {args.seeds} certifier seeds per cell; native-step equivalents"
+    )
+    print("# arch scenario: spent, routed saving, net (mean; worst seed)")
+    for (arch, scenario), s in summary.items():
+        print(f"# {arch} {scenario}: {s['spent']:.1f}, {s['saving']:.1f}, {s['net']:+.1f} (worst {s['net_min']:+.1f})")
+    for (arch, scenario), s in summary.items():
+        print(f"net {arch} {scenario} = {100 * s['net'] / PASSES:+.2f} %")
+    for arch in SAMPLERS:
+        print(f"reuse {arch} cost = 0")
+    if args.out:
+        os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "economics.json"), "w") as fh:
+            json.dump({"revision": revision(), "command": "python " + " ".join(sys.argv), "passes": PASSES, "runs": runs,
+                       "summary": [{"arch": a, "scenario": s, **v} for (a, s), v in summary.items()]}, fh, indent=1)  # fmt: skip
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,5 +1,5 @@
 """The certifier core: paired noise (exact law, downsample identity, injection), the U-statistic
-estimate, the confidence sequence under optional stopping, and the top-down search with its budget."""
+estimate, the confidence sequence under optional stopping, and the planned search with its budget, pay rule and stake."""
 
 from __future__ import annotations
 
@@ -18,9 +18,9 @@ from downscale_plugin.mapping.certify import (
     BUDGET,
     COST,
     SPOT_SAFE,
+    STAKE,
     UNTESTED,
     CertifySettings,
-    first_verdict_cost,
     run_certify,
     windows_toml,
 )
@@ -261,18 +261,25 @@ def _profile(route: str, top_down: list[float]) -> dict[tuple[str, int], float]:
     return {(route, 4 - k): g for k, g in enumerate(top_down)}
 
 
-def test_search_runs_top_down_stops_at_the_edge_and_spot_checks_below():
+TOP_HEAVY = {4: 0.4, 3: 0.3, 2: 0.15, 1: 0.1, 0: 0.05}  # σ mass per bin of BINS, falling with σ: the plan runs top-down
+
+
+def _by_bin(masses: dict[int, float]):
+    return lambda lo, hi: next(m for b, m in masses.items() if BINS.bounds(b) == (lo, hi))
+
+
+def test_bins_below_a_confirmed_unsafe_bin_are_pruned_and_spot_checked():
     mild, deep = latent_arm(0.875), latent_arm(0.5)
     gaps = {**_profile(mild.name, [0.005, 0.005, 0.3, 0.3, 0.3]), **_profile(deep.name, [0.3, 0.3, 0.3, 0.3, 0.3])}
     source = SyntheticDraws(gaps, 16, rho=0.9, seed=5, spread=0.005)  # images alike: the search's mechanics, not the bound's power
     settings = CertifySettings(budget=10_000, spot_checks=1)
-    result = run_certify(source, [mild, deep], BINS, settings, mass=lambda lo, hi: hi - lo)
+    result = run_certify(source, [mild, deep], BINS, settings, mass=_by_bin(TOP_HEAVY))
     mild_rows = {t.bin: t for t in result.rows(mild)}
     assert [mild_rows[b].verdict for b in (4, 3)] == [SAFE, SAFE] and mild_rows[4].bound.n == 16  # safe on the whole pool
-    assert not mild_rows[2].safe and mild_rows[2].verdict != UNTESTED  # the edge
+    assert mild_rows[2].verdict == UNSAFE  # the edge: confirmed above ε
     assert mild_rows[1].spot and not mild_rows[1].safe and mild_rows[0].verdict == UNTESTED
     deep_rows = {t.bin: t for t in result.rows(deep)}
-    assert deep_rows[4].verdict in (UNSAFE, FUTILE) and deep_rows[3].spot and deep_rows[2].verdict == UNTESTED
+    assert deep_rows[4].verdict == UNSAFE and deep_rows[3].spot and deep_rows[2].verdict == UNTESTED
     assert deep_rows[4].bound.n == 4  # settled at the first look: the clearly unsafe route costs 4 images
     assert result.spent == pytest.approx(sum(t.cost for t in result.tests) + 4 * source.calls)
     assert result.to_json()["cost"]["native_step_equivalents"] == result.spent
@@ -283,7 +290,7 @@ def test_a_safe_spot_check_below_the_edge_is_reported_and_never_routed():
     monotonicity violation in the notes and the result, and the windows TOML routes the top only."""
     gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
     source = SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005)
-    result = run_certify(source, [ROUTE], BINS, CertifySettings(budget=10_000, spot_checks=2), mass=lambda lo, hi: hi - lo)
+    result = run_certify(source, [ROUTE], BINS, CertifySettings(budget=10_000, spot_checks=2), mass=_by_bin(TOP_HEAVY))
     rows = {t.bin: t for t in result.rows(ROUTE)}
     assert rows[4].safe and rows[0].spot and rows[0].verdict == SPOT_SAFE and not rows[0].safe  # evidence, never a safe bin
     assert any("not monotone" in n and "not routed" in n for n in result.notes)
@@ -296,7 +303,7 @@ def test_the_budget_is_never_exceeded_and_open_tests_end_not_safe():
     gaps = _profile(ROUTE.name, [0.005, 0.005, 0.005, 0.3, 0.3])
     result = run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=6), [ROUTE], BINS, CertifySettings(budget=40), mass=lambda lo, hi: hi - lo)
     assert result.spent <= 40
-    assert [t.verdict for t in result.tests] == [BUDGET] and "budget" in result.notes[0]
+    assert BUDGET in {t.verdict for t in result.tests} and not result.safe_tests() and any(n.startswith("budget") for n in result.notes)
 
 
 def test_value_orders_the_routes_and_zero_mass_bins_are_never_tested():
@@ -306,8 +313,11 @@ def test_value_orders_the_routes_and_zero_mass_bins_are_never_tested():
     top_only = lambda lo, hi: 1.0 if lo >= 0.9 else 0.0  # noqa: E731
     result = run_certify(source, [mild, mid], BINS, CertifySettings(budget=10_000), mass=top_only)
     assert {t.bin for t in result.tests} == {3, 4}
-    first = result.tests[0]
-    assert first.route == mid.name or first.bin == result.tests[1].bin  # the larger saving first, or both in one group
+    assert result.tests[0].route == mid.name  # the larger saving per cost first
+    # the deeper route safe in a bin routes it: the milder one's window there could never fire and is not sought
+    assert {t.bin: t.verdict for t in result.tests if t.route == mild.name} == {3: COST, 4: COST} and not any(
+        t.values for t in result.tests if t.route == mild.name
+    )
 
 
 # -- on the lab trainer's own step -------------------------------------------------------------------------
@@ -483,7 +493,7 @@ def test_a_run_refuses_windows_certified_for_another_model_unless_told_to_warn(c
 def test_spot_checks_are_reported_as_spot_checks_never_as_safe_bins():
     gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
     result = run_certify(
-        SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005), [ROUTE], BINS, CertifySettings(budget=10_000), lambda lo, hi: hi - lo
+        SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005), [ROUTE], BINS, CertifySettings(budget=10_000), _by_bin(TOP_HEAVY)
     )
     blob = result.to_json()
     assert not any(row["safe"] for row in blob["bins"] if row["spot_check"])
@@ -492,37 +502,90 @@ def test_spot_checks_are_reported_as_spot_checks_never_as_safe_bins():
     assert result.spot_text().startswith("spot checks: 2 run, 1 safe, never routed")
 
 
-def _horizon_run(gaps: dict, horizon: float, budget: float = 1000.0):
+def _horizon_run(gaps: dict, horizon: float, budget: float = 1000.0, mass=lambda lo, hi: hi - lo, routes=(ROUTE,), seed: int = 9):
     settings = CertifySettings(budget=budget, spot_checks=0, horizon=horizon)
-    return run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=9), [ROUTE], BINS, settings, mass=lambda lo, hi: hi - lo)
+    return run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=seed), list(routes), BINS, settings, mass=mass)
 
 
 def test_in_a_run_no_evidence_is_bought_that_its_window_cannot_pay_back():
-    """A safe verdict costs 16 × 4 × (1 + 0.5625) = 100; route 0.75 saves 0.4375 of a pass on the σ mass of its bins.
-    Over 200 later passes even the top bin's window grown down to σ = 0 could save 200 × 0.4375 × 1 = 87.5 < 100:
-    nothing is spent. Over 1000 passes it could save 437.5, and the search runs."""
+    """A safe verdict costs 16 × 4 × (1 + 0.5625) = 100; route 0.75 saves 0.4375 of a pass on its own bin's σ mass.
+    Over 200 later passes the heaviest bin (mass 0.5) could save 200 × 0.4375 × 0.5 = 43.75 < 100: nothing is
+    spent. Over 1000 passes it could save 218.75, and it is tested."""
     safe_everywhere = _profile(ROUTE.name, [0.005] * 5)
     short = _horizon_run(safe_everywhere, 200.0)
-    assert short.spent == 0 and [t.verdict for t in short.tests] == [COST] and "not worth its evidence" in short.notes[-1]
+    assert short.spent == 0 and {t.verdict for t in short.tests} == {COST} and any("would not save" in n for n in short.notes)
     long = _horizon_run(safe_everywhere, 1000.0)
-    assert long.safe_tests() and long.spent > 0
-    # A budget that ends before the next bin's safe read is not spent on it: the tests it cannot finish get nothing.
-    capped = _horizon_run(safe_everywhere, 1000.0, budget=150.0)
-    assert capped.spent == pytest.approx(100.0) and [t.verdict for t in capped.tests] == [SAFE, BUDGET] and not capped.tests[1].values
+    assert long.safe_tests()[0].bin == 0 and long.spent > 0
 
 
-def test_a_model_that_certifies_nothing_costs_at_most_one_safe_verdicts_evidence():
-    """Every bin far over ε: the top bin stops at its first look (futile or unsafe) and the search ends there, so a run
-    loses at most first_verdict_cost (one group read to the safe look), here 100 of a budget of 1000."""
-    nothing = _horizon_run(_profile(ROUTE.name, [0.3] * 5), 1000.0)
-    assert not nothing.safe_tests() and 0 < nothing.spent <= first_verdict_cost(CertifySettings(), [0.5625]) == pytest.approx(100.0)
-    borderline = _horizon_run(_profile(ROUTE.name, [0.06] * 5), 1000.0)  # just over ε: may run to the last look, no further
-    assert not borderline.safe_tests() and borderline.spent <= 100.0
+def test_a_bin_is_credited_with_its_own_mass_only():
+    """Mass 0.02 in each top bin, 0.8 in the lowest: over 400 later passes a top bin's window saves 400 × 0.4375 × 0.02
+    = 3.5 < 100, however much mass lies below it, so the top bins get no evidence; the lowest bin (140) does."""
+    masses = {4: 0.02, 3: 0.02, 2: 0.06, 1: 0.1, 0: 0.8}
+    result = _horizon_run(_profile(ROUTE.name, [0.005] * 5), 400.0, mass=_by_bin(masses))
+    rows = {t.bin: t for t in result.rows(ROUTE)}
+    assert rows[4].verdict == rows[3].verdict == COST and not rows[4].values and not rows[3].values
+    assert [t.bin for t in result.safe_tests()] == [0] and result.spent == pytest.approx(100.0)
+
+
+def test_each_route_is_budgeted_on_its_own():
+    """Budget 120: both routes tested together on the top bins would need 16 × 4 × (1 + 0.5625 + 0.766) = 149; route
+    0.75 alone needs 100 and fits, so it is tested (and the milder route's window in its bin could never fire)."""
+    mild = latent_arm(0.875)
+    gaps = {**_profile(ROUTE.name, [0.005] * 5), **_profile(mild.name, [0.005] * 5)}
+    top_only = lambda lo, hi: 0.5 if lo >= 0.9 else 0.0  # noqa: E731
+    result = _horizon_run(gaps, 10_000.0, budget=120.0, mass=top_only, routes=(mild, ROUTE))
+    assert [t.route for t in result.safe_tests()] == [ROUTE.name] and result.spent == pytest.approx(100.0)
+
+
+def test_a_futile_top_bin_keeps_the_routes_lower_bins():
+    """The heaviest (top) bin is read futile (its mean just over ε): the route's lower bins are tested all the same
+    and come out safe; only a bin confirmed unsafe ends the search below it. In a run too, once a safe window has won
+    back what the futile test spent (a heavy lowest bin, tested first)."""
+    gaps = _profile(ROUTE.name, [0.06, 0.005, 0.005, 0.005, 0.005])
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=4, spread=0.005)
+    result = run_certify(source, [ROUTE], BINS, CertifySettings(budget=10_000, spot_checks=0), _by_bin(TOP_HEAVY))
+    rows = {t.bin: t for t in result.rows(ROUTE)}
+    assert rows[4].verdict == FUTILE and {b for b, t in rows.items() if t.safe} == {0, 1, 2, 3}
+    masses = {4: 0.3, 3: 0.1, 2: 0.1, 1: 0.1, 0: 0.4}
+    in_run = _horizon_run(gaps, 10_000.0, mass=_by_bin(masses), seed=4)
+    rows = {t.bin: t for t in in_run.rows(ROUTE)}
+    assert rows[4].verdict == FUTILE and all(rows[b].values for b in range(4)) and {0, 1} <= {b for b, t in rows.items() if t.safe}
+
+
+def test_after_a_failed_first_test_no_test_starts_that_would_risk_more_than_the_stake():
+    """Nothing safe: the first test (100 to a safe read: the plan's stake) stops at its first look (25); every other
+    test would put 25 + 100 at risk, more than the stake, and does not start. Everything safe: each safe window wins
+    back more than its evidence, so the search goes on within the budget."""
+    nothing = _horizon_run(_profile(ROUTE.name, [0.3] * 5), 10_000.0)
+    assert nothing.spent == pytest.approx(25.0) and not nothing.safe_tests()
+    assert {t.verdict for t in nothing.tests} == {UNSAFE, STAKE} and any(n.startswith("stake") for n in nothing.notes)
+    everything = _horizon_run(_profile(ROUTE.name, [0.005] * 5), 10_000.0, budget=350.0)
+    assert len(everything.safe_tests()) == 3 and everything.spent == pytest.approx(300.0)
+
+
+def test_the_plan_orders_by_saving_per_cost_and_names_its_best_and_worst_case():
+    from downscale_plugin.bins import parse_bins as bins_of
+    from downscale_plugin.mapping.certify import plan_tests
+
+    bins = bins_of("0,0.5,1:0.5,1,1", endpoint=False)  # (0, 0.5], (0.5, 1]
+    mild, deep = latent_arm(0.875), latent_arm(0.5)
+    mass = lambda lo, hi: 0.3 if hi <= 0.5 else 0.7  # noqa: E731
+    settings = CertifySettings(budget=300.0, horizon=1000.0)
+    plan = plan_tests([mild, deep], bins, settings, mass, lambda arm: arm.ratio**2)
+    assert [(t.route.name, t.bin) for t in plan.tests] == [(deep.name, 1), (deep.name, 0), (mild.name, 1), (mild.name, 0)]
+    assert plan.tests[0].value == pytest.approx(0.7 * 0.75) and plan.tests[0].cost == pytest.approx(64 * 1.25)
+    assert [(t.route.name, t.bin) for t in plan.paying] == [(deep.name, 1), (deep.name, 0), (mild.name, 1)]  # 0.3 × 0.234 × 1000 < 113
+    run, spent, saving = plan.best_case()  # deep safe in both bins: the mild route's window would never fire
+    assert [(t.route.name, t.bin) for t in run] == [(deep.name, 1), (deep.name, 0)] and spent == pytest.approx(160.0)
+    assert saving == pytest.approx(1000 * 0.75) and plan.stake == pytest.approx(80.0)
+    text = "\n".join(plan.lines(bins, 1016))
+    assert "best case" in text and "net +590.0" in text and "worst case: net -80.0" in text and "break-even" in text
 
 
 def _scoped(backend: dict) -> tuple[list[dict], str]:
     gaps = _profile(ROUTE.name, [0.005, 0.005, 0.3, 0.3, 0.3])
-    result = run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=8), [ROUTE], BINS, CertifySettings(budget=10_000), lambda lo, hi: hi - lo)
+    result = run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=8), [ROUTE], BINS, CertifySettings(budget=10_000), _by_bin(TOP_HEAVY))
     result.provenance["backend"] = backend
     text = windows_toml(result)
     return toml.loads(text).get("routes", []), text

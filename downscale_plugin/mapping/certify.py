@@ -56,11 +56,13 @@ from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, param_grads
 from .paired import coupled_small_noise, injected_noise
 from .safe_read import SAFE_READ
-from .sequential import SAFE, Bound, Family, Grads, Looks, PairedSums, describe_safe_read, read, verdict
+from .sequential import SAFE, UNSAFE, Bound, Family, Grads, Looks, PairedSums, describe_safe_read, read, verdict
 from .windows import measured_tiers, probe_header, render_windows, stack_windows, tier_entries, utc_now
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
 COST = "cost"  # a test whose window could not save what its remaining evidence costs (a run's horizon)
+STAKE = "stake"  # a test not started: it would put more at risk than the plan's stake (spent and not won back)
+UNFINISHED = (BUDGET, COST, STAKE)  # verdicts of tests that may get more evidence in a later run (``certify_resume``)
 SPOT_SAFE = "spot-safe"  # a spot check below its route's edge whose bound read safe: a violation, never a window
 
 
@@ -329,8 +331,111 @@ class CertifyResult:
 Progress = Callable[[float, str], None]
 
 
+@dataclass(frozen=True)
+class Planned:
+    """One (route, bin) test as planned before any evidence: the bin's sampler mass, the route's saving per routed
+    pass (1 − its pass cost) and the evidence of a safe verdict on the test alone (``safe_cost``)."""
+
+    route: Arm
+    bin: int
+    mass: float
+    saving: float
+    cost: float
+
+    @property
+    def value(self) -> float:
+        """Native-step equivalents a safe verdict saves per later pass: its own bin's mass × the route's saving."""
+        return self.mass * self.saving
+
+
+def safe_cost(settings: CertifySettings, fraction: float) -> float:
+    """Native-step equivalents of one route's safe verdict on one bin: ``first_safe`` probes × D × (1 native + the route)."""
+    return settings.looks.first_safe * settings.draws * (1.0 + fraction)
+
+
+@dataclass(frozen=True)
+class Plan:
+    """The certification's plan, made before any probe (docs/FIDELITY.md §9.4): every (route, bin) the sampler draws,
+    best value per cost first (the order the tests are run in, and their chains' order in the family), with what
+    the plan can win and lose over ``horizon`` later passes (None: no run to pay back, as in the ``certify`` command)."""
+
+    tests: tuple[Planned, ...]
+    horizon: float | None
+    budget: float
+
+    def pays(self, t: Planned, taken: float = 0.0) -> bool:
+        """Whether ``t``'s window, safe, saves its evidence back over the horizon; ``taken``: the saving per pass a
+        deeper route already safe in its bin takes of it (its router rule comes first)."""
+        return self.horizon is None or self.horizon * t.mass * (t.saving - taken) >= t.cost
+
+    @property
+    def paying(self) -> list[Planned]:
+        return [t for t in self.tests if self.pays(t)]
+
+    @property
+    def stake(self) -> float:
+        """The most a run's certification may have at risk (spent and not yet won back by safe windows): the first
+        paying test's safe verdict, the cheapest way to learn whether the model certifies at all."""
+        first = next(iter(self.paying), None)
+        return 0.0 if first is None else first.cost
+
+    def best_case(self) -> tuple[list[Planned], float, float]:
+        """Were every test safe: the tests run (in order, within the budget, none a deeper safe route makes
+        worthless), their spend and their routed saving over the horizon."""
+        taken: dict[int, float] = {}
+        gain: dict[int, float] = {}
+        run, spent = [], 0.0
+        for t in self.tests:
+            if t.saving > taken.get(t.bin, 0.0) and self.pays(t, taken.get(t.bin, 0.0)) and spent + t.cost <= self.budget:
+                run.append(t)
+                spent += t.cost
+                taken[t.bin], gain[t.bin] = t.saving, t.value
+        return run, spent, (self.horizon or 0.0) * sum(gain.values())
+
+    def lines(self, bins: SigmaBins, passes: float) -> list[str]:
+        """The plan as the start banner and the log print it: expected spend, break-even, best and worst case."""
+        paying = self.paying
+        if self.horizon is None or not paying:
+            return []
+        first = paying[0]
+        run, spent, saving = self.best_case()
+        return [
+            f"plan: {len(paying)} of {len(self.tests)} (route, σ bin) tests can pay back over the run's {self.horizon:g} later passes, "
+            f"best saving per cost first; first {first.route.name} {bins.label(first.bin)} (σ mass {first.mass:.3f}: saves "
+            f"{self.horizon * first.value:.1f} if safe, costs {first.cost:.1f})",
+            f"  break-even: a safe first test pays its cost back after {first.cost / first.value:.0f} later passes",
+            f"  best case (every test safe, {len(run)} within the budget {self.budget:.0f}): spend {spent:.1f}, routed saving "
+            f"{saving:.1f}, net {saving - spent:+.1f} ({pct_of(saving - spent, passes)} of the run)",
+            f"  worst case: net {-self.stake:.1f} ({pct_of(-self.stake, passes)}): the first test read to its last look and not "
+            "safe; a further test starts only while what is spent and not won back by safe windows stays within that stake",
+        ]
+
+
+def pct_of(x: float, total: float) -> str:
+    return f"{100.0 * x / total:+.2f} %" if total else "n/a"
+
+
+def plan_tests(
+    routes: Sequence[Arm],
+    bins: SigmaBins,
+    settings: CertifySettings,
+    mass: Callable[[float, float], float],
+    fraction: Callable[[Arm], float],
+) -> Plan:
+    """Every (route, bin) with sampler mass, ordered by value per cost (ties: the higher bin, then the deeper route)."""
+    tests = []
+    for arm in routes:
+        f = fraction(arm)
+        for b in range(len(bins)):
+            m = mass(*bins.bounds(b))
+            if m > 0.0:
+                tests.append(Planned(arm, b, m, 1.0 - f, safe_cost(settings, f)))
+    tests.sort(key=lambda t: (-t.value / t.cost, -t.bin, t.route.ratio))
+    return Plan(tuple(tests), settings.horizon, settings.budget)
+
+
 class Certifier:
-    """Runs the search over one :class:`DrawSource`; see the module docstring for the rules."""
+    """Runs the planned tests over one :class:`DrawSource`; see the module docstring for the rules."""
 
     def __init__(
         self,
@@ -358,27 +463,20 @@ class Certifier:
         self.prior = {(t.route, t.bin, t.spot): t for t in prior}
         self.notes: list[str] = []
         self.spent = 0.0
-        self.out_of_budget = False
-
-    # -- what to test -------------------------------------------------------------------------------
-
-    def top_down(self) -> list[int]:
-        """Bins from σ = 1 down, keeping those the sampler draws (mass > 0)."""
-        order = ([self.bins.n_segmented] if self.bins.endpoint else []) + list(range(self.bins.n_segmented - 1, -1, -1))
-        return [b for b in order if self._mass(b) > 0.0]
+        self.plan = plan_tests(self.routes, bins, settings, mass, source.cost)
 
     def _mass(self, b: int) -> float:
         lo, hi = self.bins.bounds(b)
         return self.mass(lo, hi)
 
     def _new_test(self, route: Arm, b: int, spot: bool = False) -> BinTest:
-        """The (route, bin) test, continuing a prior run's evidence when there is one (a test that ran
-        out of budget there is open again: more images continue its confidence sequence)."""
+        """The (route, bin) test, continuing a prior run's evidence when there is one (a test a prior run did not
+        finish, for its budget, stake or horizon, is open again: more images continue its confidence sequence)."""
         test = self.prior.pop((route.name, b, spot), None)
         if test is None:
             lo, hi = self.bins.bounds(b)
             test = BinTest(route.name, route.ratio, b, lo, hi, self._mass(b) * (1.0 - self.source.cost(route)), spot=spot)
-        elif test.verdict == BUDGET:
+        elif test.verdict in UNFINISHED:
             test.verdict = None
         self.tests.append(test)
         return test
@@ -388,6 +486,13 @@ class Certifier:
     def _image_cost(self, group: Sequence[BinTest]) -> float:
         """One more image for the group: D native passes and D passes of each of its routes."""
         return self.settings.draws * (1.0 + sum(self.source.cost(self._arm(t.route)) for t in group))
+
+    def _need(self, route: Arm, images: int) -> float:
+        """The evidence a test of ``route`` with ``images`` images still needs for a safe read."""
+        return max(self.settings.looks.first_safe - images, 0) * self._image_cost_of(route)
+
+    def _image_cost_of(self, route: Arm) -> float:
+        return self.settings.draws * (1.0 + self.source.cost(route))
 
     def _arm(self, name: str) -> Arm:
         return next(a for a in self.routes if a.name == name)
@@ -410,117 +515,131 @@ class Certifier:
         self.progress(self.spent, f"{self.bins.label(b)} {'+'.join(t.route for t in group)} n={k + 1}")
         return True
 
-    def _advance(self, group: Sequence[BinTest]) -> None:
-        """Bring the group to its next look and read its verdicts."""
+    def _settle(self, t: BinTest) -> None:
+        """Read ``t`` look by look to its verdict (``budget`` when the budget ends first)."""
         looks = self.settings.looks
-        target = looks.next_look(len(group[0].values))
-        while len(group[0].values) < target:
-            if not self._add_image(group):
-                self.out_of_budget = True
-                return
-        for t in group:
+        while t.open:
+            target = looks.next_look(len(t.values)) or len(t.values)
+            while len(t.values) < target:
+                if not self._add_image([t]):
+                    self._end(t, BUDGET)
+                    return
             t.bound = read(t.values, looks, self._level(t), self.settings.margin)
             t.verdict = verdict(t.bound, self.settings.margin, looks, self._level(t))
-            if t.spot and t.verdict == SAFE:
-                t.verdict = SPOT_SAFE
-            elif t.verdict is not None and not t.spot:
-                self.family.settle((t.route, t.bin), t.safe)
+        if t.spot and t.verdict == SAFE:
+            t.verdict = SPOT_SAFE
+        elif not t.spot:
+            self.family.settle((t.route, t.bin), t.safe)
+
+    def _end(self, t: BinTest, why: str) -> None:
+        t.verdict = why
+        t.bound = read(t.values, self.settings.looks, self._level(t), self.settings.margin) if len(t.values) >= 2 else None
 
     def _level(self, t: BinTest) -> float:
         """The test's false-safe level: its share of the run's family (``sequential.Family``); a spot check, never
         routed, is read at α."""
         return self.settings.looks.alpha if t.spot else self.family.level((t.route, t.bin))
 
-    def _pick(self, open_tests: list[BinTest]) -> list[BinTest]:
-        """The (bin, count) group with the largest value per pass; search tests before spot checks."""
-        groups: dict[tuple[bool, int, int], list[BinTest]] = {}
-        for t in open_tests:
-            groups.setdefault((t.spot, t.bin, len(t.values)), []).append(t)
+    # -- the plan -----------------------------------------------------------------------------------
 
-        def worth(key: tuple[bool, int, int]) -> tuple[bool, float]:
-            group = groups[key]
-            return (not key[0], sum(t.value for t in group) / self._image_cost(group))
+    def _taken(self, b: int) -> float:
+        """The saving per routed pass a route already safe in bin ``b`` gives it (the deepest: its rule comes first)."""
+        return max((1.0 - self.source.cost(self._arm(t.route)) for t in self.tests if t.safe and t.bin == b), default=0.0)
 
-        return groups[max(groups, key=worth)]
+    def won(self) -> float:
+        """What the safe windows so far save over the horizon (0 without one)."""
+        return (self.settings.horizon or 0.0) * sum(self._mass(b) * self._taken(b) for b in range(len(self.bins)))
+
+    def _blocked(self, p: Planned) -> str | None:
+        """Why the planned test gets no evidence now; None: run it.
+
+        ``cost``: a deeper route already safe in its bin routes it (its rule comes first), or, in a run (a horizon),
+        its window would not save back the evidence it still needs (its own bin's mass only, less what a deeper safe
+        route takes there). ``budget``: in a run, that evidence does not fit what is left of the budget (without a
+        horizon, not even one more image does: the ``certify`` command may leave a test open for a later run to
+        continue). ``stake``: in a run, it would put more at risk than the plan's stake (spent and not yet won back).
+        """
+        started = self.test(p.route.name, p.bin)
+        images = len(started.values) if started is not None else 0
+        need, horizon, taken = self._need(p.route, images), self.settings.horizon, self._taken(p.bin)
+        if p.saving <= taken or (horizon is not None and horizon * p.mass * (p.saving - taken) < need):
+            return COST
+        if self.spent + (need if horizon is not None else self._image_cost_of(p.route)) > self.settings.budget:
+            return BUDGET
+        if horizon is not None and self.spent - self.won() + need > self.plan.stake + 1e-9:
+            return STAKE
+        return None
+
+    def _pruned(self, p: Planned) -> bool:
+        """Below a bin of its route confirmed unsafe (its lower bound above ε): the excess is taken not to fall again
+        as σ falls, so the bin is not tested (a futile or inconclusive bin prunes nothing)."""
+        hi = self.bins.bounds(p.bin)[1]
+        return any(
+            t.route == p.route.name and t.verdict == UNSAFE and not t.spot and not self.bins.is_endpoint(t.bin) and t.lo >= hi
+            for t in self.tests
+        )
 
     # -- the search ---------------------------------------------------------------------------------
 
     def run(self) -> list[BinTest]:
-        ladder = self.top_down()
-        chains = [[(a.name, b) for b in ladder] for a in self.routes]
+        chains = [[(a.name, p.bin) for p in self.plan.tests if p.route == a] for a in self.routes]
         self.family = Family(chains, self.settings.looks.alpha)
         for route, b in (key for chain in chains for key in chain):  # a resumed run's safe tests pass their level on again
             if (prior := self.prior.get((route, b, False))) is not None and prior.safe:
                 self.family.settle((route, b), True)
-        position = {a.name: 0 for a in self.routes}  # index into ladder of each route's current bin
-        current = {a.name: self._new_test(a, ladder[0]) for a in self.routes} if ladder else {}
-        spots_queued = False
-        while not self.out_of_budget:
-            for name, t in list(current.items()):
-                if t.open:
-                    continue
-                del current[name]
-                if t.safe and position[name] + 1 < len(ladder):
-                    position[name] += 1
-                    current[name] = self._new_test(self._arm(name), ladder[position[name]])
-            open_tests = [t for t in self.tests if t.open]
-            if not open_tests:
-                if spots_queued:
-                    break
-                spots_queued = True
-                self._queue_spot_checks(ladder, position)
-                continue
-            group = self._pick(open_tests)
-            stop = self._cannot_pay(group, ladder)
-            if stop is None:
-                self._advance(group)
-                continue
-            for t in group:
-                t.verdict = stop
-                t.bound = read(t.values, self.settings.looks, self._level(t), self.settings.margin) if len(t.values) >= 2 else None
+        for route, b, _ in [key for key in self.prior if not key[2]]:  # a resumed run's tests: settled ones stand, the rest reopen
+            self._new_test(self._arm(route), b)
+        while True:
+            pending = [(p, self._blocked(p)) for p in self.plan.tests if not self._done(p) and not self._pruned(p)]
+            runnable = next((p for p, why in pending if why is None), None)
+            if runnable is None:
+                break
+            self._settle(self.test(runnable.route.name, runnable.bin) or self._new_test(runnable.route, runnable.bin))
+        for p, why in pending:
+            self._end(self.test(p.route.name, p.bin) or self._new_test(p.route, p.bin), why or BUDGET)
         for t in self.tests:
-            if t.open:
-                t.verdict = BUDGET
-                t.bound = read(t.values, self.settings.looks, self._level(t), self.settings.margin) if len(t.values) >= 2 else None
-        if self.out_of_budget or any(t.verdict == BUDGET for t in self.tests):
-            self.notes.append(f"budget of {self.settings.budget:g} native-step equivalents reached; open tests end 'budget' (not safe)")
-        unpaid = [f"{t.route} {self.bins.label(t.bin)}" for t in self.tests if t.verdict == COST]
-        if unpaid:
-            self.notes.append(
-                f"not worth its evidence over the run's {self.settings.horizon:g} passes (ended 'cost', not safe): {', '.join(unpaid)}"
-            )
+            if t.open:  # resumed evidence outside this plan (a bin without mass here)
+                self._end(t, BUDGET)
+        self._spot_checks()
+        self._note_unfinished()
         self._note_violations()
         return self.tests
 
-    def _cannot_pay(self, group: Sequence[BinTest], ladder: list[int]) -> str | None:
-        """In a run (a ``horizon``), why the group gets no more evidence: ``budget`` when the budget ends before
-        it could read safe, ``cost`` when the most its windows could save over the horizon (its route's token
-        saving × the mass of its bin and every bin below) is less than that evidence; None: go on (always
-        without a horizon, and for spot checks, which were asked for)."""
-        horizon = self.settings.horizon
-        if horizon is None or group[0].spot:
-            return None
-        b, k = group[0].bin, len(group[0].values)
-        need = (self.settings.looks.first_safe - k) * self._image_cost(group)
-        if self.spent + need > self.settings.budget:
-            return BUDGET
-        below = ladder[ladder.index(b) :]
-        reach = sum(self._mass(c) * (1.0 - self.source.cost(self._arm(t.route))) for t in group for c in below)
-        return None if horizon * reach >= need else COST
+    def _done(self, p: Planned) -> bool:
+        t = self.test(p.route.name, p.bin)
+        return t is not None and not t.open
 
-    def _queue_spot_checks(self, ladder: list[int], position: dict[str, int]) -> None:
-        """``spot_checks`` bins evenly spread below each route's edge (the bin that ended its search)."""
+    def _spot_checks(self) -> None:
+        """``spot_checks`` bins evenly spread below each route's edge (its highest bin confirmed unsafe), within the budget."""
         for arm in self.routes:
-            edge = self.test(arm.name, ladder[position[arm.name]])
-            if edge is None or edge.safe:
-                continue  # the search reached the bottom safely: nothing below
-            below = ladder[position[arm.name] + 1 :]
+            below = [
+                p.bin
+                for p in sorted(self.plan.tests, key=lambda p: -p.bin)
+                if p.route == arm and self._pruned(p) and not self.test(arm.name, p.bin)
+            ]
             n = min(self.settings.spot_checks, len(below))
             for i in sorted({int(round(x)) for x in np.linspace(0, len(below) - 1, n)} if n else ()):
-                self._new_test(arm, below[i], spot=True)
+                t = self._new_test(arm, below[i], spot=True)
+                if self.spent + self._need(arm, len(t.values)) > self.settings.budget:
+                    self._end(t, BUDGET)
+                else:
+                    self._settle(t)
+
+    def _note_unfinished(self) -> None:
+        for why, text in (
+            (BUDGET, f"the budget of {self.settings.budget:g} native-step equivalents cannot finish them (not safe)"),
+            (COST, f"a safe window would not save its evidence back over the run's {self.settings.horizon or 0:g} later passes (not safe)"),
+            (
+                STAKE,
+                f"not started: it would put more than the plan's stake of {self.plan.stake:.1f} at risk, spent and not won back (not safe)",
+            ),
+        ):
+            names = [f"{t.route} {self.bins.label(t.bin)}" for t in self.tests if t.verdict == why]
+            if names:
+                self.notes.append(f"{why}: {', '.join(names)}: {text}")
 
     def test(self, route: str, bin_: int) -> BinTest | None:
-        return next((t for t in self.tests if t.route == route and t.bin == bin_), None)
+        return next((t for t in self.tests if t.route == route and t.bin == bin_ and not t.spot), None)
 
     def _note_violations(self) -> None:
         for t in self.tests:

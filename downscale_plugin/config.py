@@ -32,6 +32,7 @@ from .bins import DEFAULT_BINS, parse_bins
 GATES = ("coupled", "strict")
 SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at (fasterdit.policies)
 POSITIONS = ("plain", "interpolate")  # position ids of a routed step (fasterdit.positions)
+CERTIFY_UNPAID = ("skip", "refuse", "buy")  # certify_unpaid: what an auto run does with evidence it cannot pay back
 MODES = ("train", "map", "auto")  # map: the full gradient map in the run; auto: certify windows in the run and train with them (mapping/)
 AFTER_MAP = ("stop", "train")
 VAE_ARM_KEYS = ("map_reenc", "map_pixel")  # the map's VAE arms (mapping/arms.py: reenc, pixel_<r>); the host must drive its VAE
@@ -175,6 +176,13 @@ class CertifyConfig:
         "bins tested below each route's edge after the search: a σ-monotonicity check that spends budget and never opens a window",
     )
     resume: str | None = _key(None, "str", help="a certify.json of an earlier run on the same model: its evidence is continued, not redone")
+    unpaid: str = _key(
+        "skip",
+        "enum",
+        CERTIFY_UNPAID,
+        "evidence this run cannot pay back (docs/FIDELITY.md §9.4): skip (not bought; a run where no test can pay trains native), "
+        "refuse (stop at start when no test can pay), buy (certify within the budget anyway: windows for later runs)",
+    )
 
     def __post_init__(self) -> None:
         _check_fields(self)

@@ -118,6 +118,7 @@ map_margin = 0.99                 # a loose margin, so that a window is certifie
 certify_draws = 2                 # a safe verdict reads 16 distinct probes: 16 × 2 draws × (1 + 0.25) = 40 native-step
                                   # equivalents at the token fraction (E2E_TOKEN_COSTS; E2E_IMAGES = 16)
 certify_budget = 0.5              # of the run's E2E_STEPS single-sample passes: ≥ 80 steps for a window to open
+certify_unpaid = "buy"           # a run this short cannot pay a window back: certify all the same (the mechanics)
 """
 
 

@@ -90,6 +90,7 @@ map_bins = "0,0.5,1"
 map_margin = 0.99
 certify_draws = 2
 certify_budget = 0.5              # of 50 steps × accumulation 2: 50, one safe verdict (40)
+certify_unpaid = "buy"           # a run this short cannot pay a window back: certify all the same (the mechanics)
 """
 
 
@@ -151,6 +152,7 @@ map_bins = "0,0.5,1"
 map_margin = 1e-9                 # ε ≈ 0: no bin can be certified; the certifier spends its looks and opens nothing
 certify_draws = 2                 # a look: 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents
 certify_budget = 0.5              # of 40 steps × accumulation 2: 40, one safe verdict (the least a run may give)
+certify_unpaid = "buy"           # a run this short cannot pay a window back: certify all the same (the mechanics)
 """
 
 

@@ -370,6 +370,7 @@ def test_lab_auto_certifies_on_its_first_16_samples_then_routes(tiny_model, tiny
 
     table = {"mode": "auto", "arch": "flux", "map_out": str(tmp_path / "auto"), "map_ratios": [0.5], "map_bins": "0,0.5,1"}
     table.update(map_margin=0.99, certify_draws=2, certify_budget=0.5)  # 50 passes: a safe top bin costs 16 × 2 × 1.25 = 40
+    table.update(certify_unpaid="buy")  # a 100-pass run cannot pay that back: certify all the same (the mechanics)
     common = dict(steps=100, lr=1e-2, rank=2, seed=3)
     native = train_lora(tiny_model, tiny_data, **common)
     off = LabPlugin.for_lab(load_config(table={**table, "certify_budget": 0.0}), TINY, tiny_data)
@@ -383,5 +384,9 @@ def test_lab_auto_certifies_on_its_first_16_samples_then_routes(tiny_model, tiny
     routed = [t.step for t in plugin.trace if t.rule_index >= 0]
     assert routed and min(routed) >= 16 and plugin.accounting.total_steps == 100
     short = LabPlugin.for_lab(load_config(table={**table, "certify_budget": 0.2}), TINY, tiny_data)  # 20: below one safe verdict
-    with pytest.raises(ValueError, match=r"certify_budget: 0.2 of this run's 100 single-sample passes is 20.0 .* one safe verdict costs"):
+    with pytest.raises(ValueError, match=r"costs 39.7 native-step equivalents; certify_budget 0.2 of the run.s 100 passes is 20.0"):
         train_lora(tiny_model, tiny_data, **common, hook_installer=short.installer)
+    unpaid = {**table, "certify_unpaid": "skip", "certify_draws": 4}  # a safe verdict 79: 84 later passes × 0.66 repay no bin
+    unpaid = LabPlugin.for_lab(load_config(table=unpaid), TINY, tiny_data)
+    assert train_lora(tiny_model, tiny_data, **common, hook_installer=unpaid.installer).losses == native.losses
+    assert unpaid.auto.skipped.startswith("certification cannot pay in this run") and not unpaid.cfg.routes

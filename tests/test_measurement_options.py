@@ -62,6 +62,14 @@ def test_the_startup_check_names_a_refused_option_on_the_command_line(options, n
     assert report is not None and named in report and "stopped before the trainer loads any model" in report, report
 
 
+def test_a_refused_block_swap_says_what_to_do_instead(tmp_path):
+    """Flux at 1024² on a 24 GB card needs --blocks_to_swap: the refusal names the ways to certify without it and to train with it."""
+    report = _report("--config_file", _toml(tmp_path), "--blocks_to_swap", "18")
+    assert report is not None and "a lower-resolution bucket, whose windows route only that tier's buckets" in report
+    assert 'a windows file certified for this model and tier elsewhere; then train this run with mode = "train"' in report
+    assert "downscale_config = that windows.toml and --blocks_to_swap" in report
+
+
 def test_and_in_the_training_toml(tmp_path):
     report = _report("--config_file", _toml(tmp_path, host="blocks_to_swap = 2"))
     assert report is not None and '--blocks_to_swap 2: mode = "auto"' in report

@@ -500,7 +500,7 @@ def test_the_real_wan_loop_certifies_in_the_run_and_trains_with_the_windows(musu
     from safetensors import safe_open
 
     out = tmp_path / "auto"
-    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
+    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_certify_unpaid=buy", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
             "ds_certify_draws=4", "ds_map_margin=0.99"]  # fmt: skip
     inputs = _train_wan(
         musubi, tmp_path, keys, 168, "--gradient_checkpointing", clips=16
@@ -528,7 +528,7 @@ def test_a_real_wan_certification_that_opens_nothing_leaves_the_run_bitwise_the_
     from safetensors.torch import load_file
 
     out = tmp_path / "plugin" / "auto"
-    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
+    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_certify_unpaid=buy", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
             "ds_certify_draws=2", "ds_map_margin=1e-9"]  # fmt: skip
     argv = ("--num_timestep_buckets", "3", "--preserve_distribution_shape", "--min_timestep", "100")
     plain = _train_wan(musubi, tmp_path / "plain", [], 80, *argv, module="networks.lora_wan", clips=16)  # budget 40: one safe verdict
@@ -548,7 +548,7 @@ def test_real_wan22_certifier_draws_run_the_expert_their_sigma_names_and_leave_t
     from safetensors.torch import load_file
 
     out = tmp_path / "plugin" / "auto"
-    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
+    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_certify_unpaid=buy", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
             "ds_certify_draws=2", "ds_map_margin=1e-9"]  # fmt: skip
     argv = ("--task", "t2v-A14B", "--dit_high_noise", str(tmp_path / "high.safetensors"))
     theirs, ours = [], []

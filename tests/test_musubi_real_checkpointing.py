@@ -21,7 +21,7 @@ def test_cpu_offloaded_checkpointing_is_measured_and_leaves_the_run_bitwise(musu
     from safetensors.torch import load_file
 
     out = tmp_path / "plugin" / "auto"
-    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
+    keys = ["ds_mode=auto", f"ds_map_out={out}", "ds_certify_budget=0.5", "ds_certify_unpaid=buy", "ds_map_ratios=0.5", "ds_map_bins=0,0.5,1",
             "ds_certify_draws=2", "ds_map_margin=1e-9"]  # fmt: skip
     argv = ("--gradient_checkpointing", "--gradient_checkpointing_cpu_offload")
     plain = _train_wan(musubi, tmp_path / "plain", [], 80, *argv, module="networks.lora_wan", clips=16)  # budget 40: one safe verdict

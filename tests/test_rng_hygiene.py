@@ -133,7 +133,7 @@ def test_a_whole_map_run_never_reseeds_or_rewinds_a_global_generator(arch, after
 def test_a_whole_auto_run_never_reseeds_or_rewinds_a_global_generator(arch, rng_trap, tmp_path):
     """The certifier's paired draws inject their noise and seed each draw's fork; nothing global moves."""
     downscale = {"mode": "auto", "map_out": str(tmp_path / "auto"), "map_ratios": [0.5], "map_bins": "0,0.5,1"}
-    downscale.update(certify_draws=2, certify_budget=0.5, map_margin=0.99)
+    downscale.update(certify_draws=2, certify_budget=0.5, map_margin=0.99, certify_unpaid="buy")
     argv = ("--resolution", RES, "--train_batch_size", "4", "--max_train_steps", "24", "--dataset_size", "16", "--seed", "4")
     seeded_run(arch, *argv, *(ALL_NOISE if FAMILIES[arch] == "ddpm" else IP), downscale=downscale)
     assert (tmp_path / "auto" / "certify.json").is_file()
@@ -542,7 +542,7 @@ def test_an_auto_run_that_opens_nothing_under_a_drawing_console_is_the_host_run_
     (rich's, by default in sd-scripts), must leave the host's later Python draws (--flip_aug, caption shuffling) as
     they would have been: the run ends with every global generator where the plain run's ends."""
     downscale = {"mode": "auto", "map_out": str(tmp_path / "auto"), "map_ratios": [0.5], "map_bins": "0,0.5,1"}
-    downscale.update(certify_draws=2, certify_budget=0.5, map_margin=1e-9)
+    downscale.update(certify_draws=2, certify_budget=0.5, map_margin=1e-9, certify_unpaid="buy")
     argv = ("--resolution", RES, "--train_batch_size", "4", "--max_train_steps", "24", "--dataset_size", "16", "--seed", "4")
     plain = seeded_run("flux", *argv, network_module=ARCHS["flux"][2]).last_run
     plain_states, plain_weights, plain_records = rng_states(), _weights(plain), len(drawing_console.records)

@@ -23,13 +23,13 @@ from test_sd_scripts_map import RES, steps  # noqa: F401  # the fixture recordin
 from downscale_plugin.config import ConfigError, load_config
 from downscale_plugin.hosts.kohya.auto import AutoSession
 from downscale_plugin.hosts.sd_scripts.facts import HostError
-from downscale_plugin.mapping.certify import CertifySettings, first_verdict_cost
 
 pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan", "token_costs")
 
 # One route (ratio 0.5: latent 16x16 → 8x8) over two σ bins; D = 2 paired draws: a look at one bin
 # is 4 probes × 2 draws × (1 + 0.25) = 10 native-step equivalents, a safe verdict (read on all 16) 40.
-QUICK = {"map_ratios": [0.5], "map_bins": "0,0.5,1", "certify_draws": 2}
+# a 192-pass run cannot pay back a window's evidence: "buy" certifies all the same (these tests are the mechanics)
+QUICK = {"map_ratios": [0.5], "map_bins": "0,0.5,1", "certify_draws": 2, "certify_unpaid": "buy"}
 # 48 steps of 4 samples: 192 single-sample passes; the 16 probes (16 distinct images) are in at batch 4.
 ARGV = ("--resolution", RES, "--train_batch_size", "4", "--max_train_steps", "48", "--dataset_size", "16", "--seed", "3")
 FLOP_FRACTION = AutoSession.pass_fraction
@@ -142,14 +142,24 @@ def test_auto_certifies_then_trains_with_the_windows_and_records_them(tmp_path, 
     assert recorded["method"] == "certify" and recorded["before_train_batch"] == 4 and recorded["probes"] == 16
     assert recorded["native_step_equivalents"] == pytest.approx(spent, abs=1e-3) and recorded["windows"]
     assert json.loads(meta["ss_downscale_routes"]) == windows["routes"]
-    assert "certification: " in caplog.text and "of the run's native compute" in caplog.text and "spot checks: none" in caplog.text
-    assert "net saving (native-step equivalents of the run's FLOP model): routed steps" in caplog.text
+    assert (
+        "certification: " in caplog.text and f"{spent:.1f} native-step equivalents (" in caplog.text and "spot checks: none" in caplog.text
+    )
+    assert "net (native-step equivalents of the run's FLOP model): routed saving " in caplog.text
+    logged = run.accelerator.trackers[0].records[-1][1]  # the trackers get the same three figures, and as % of the run
+    assert logged["downscale/certify/cost"] == pytest.approx(spent) and logged["downscale/certify/cost_pct"] == pytest.approx(
+        100 * spent / 192
+    )
+    assert (
+        logged["downscale/certify/net"] == pytest.approx(logged["downscale/certify/saving"] - spent)
+        and logged["downscale/certify/saving"] > 0
+    )
 
 
 def test_a_later_run_continues_the_evidence(tmp_path):
-    """A budget that pays for the top bin's safe verdict (40) but not the next bin's ('budget', no evidence spent on
-    it); the second run continues the saved tests and adds the next bin."""
-    first = auto_config(tmp_path, map_margin=0.2, certify_budget=0.25)  # 48
+    """A budget that pays for the first bin's safe verdict (40) but not the next bin's (it ends 'budget' after the
+    images the rest of the budget buys); the second run continues the saved tests and adds to them."""
+    first = auto_config(tmp_path, map_margin=0.99, certify_budget=0.25)  # 48
     run_double("flux", *ARGV, downscale=first)
     saved = json.loads((tmp_path / "auto" / "certify.json").read_text())
     before = {(r["route"], r["bin"]): len(r["evidence"]["images"]) for r in saved["bins"] if r["verdict"] != "untested"}
@@ -167,9 +177,9 @@ def test_a_later_run_continues_the_evidence(tmp_path):
 @pytest.mark.parametrize(
     ("config", "argv", "message"),
     [
-        ({"certify_budget": 0.04}, (), r"certify_budget: 0.04 of this run's 192 single-sample passes is 7.7 .* verdict costs 40.0"),
+        ({"certify_budget": 0.04}, (), r"costs 40.0 native-step equivalents; certify_budget 0.04 of the run's 192 passes is 7.7"),
         # a budget for the first look (10) but not for one safe verdict (40): it could only be spent
-        ({"certify_budget": 0.15}, (), r"is 28.8 native-step equivalents; one safe verdict costs 40.0 .*certify_budget >= 0.208"),
+        ({"certify_budget": 0.15}, (), r"costs 40.0 .* is 28.8. What would pay: certify_budget >= 0.208"),
         ({}, ("--dataset_size", "8"), "probes: the dataset has 8 distinct images; 16 probes must be 16 distinct images"),
         ({}, ("--max_train_steps", "3"), "probes: 16 probes need 4 train batches of 4, but the run has 3"),
         ({"map_ratios": [0.95]}, (), "map_ratios: 0.95 give no strictly smaller flux grid"),
@@ -248,18 +258,25 @@ def test_a_resumed_auto_run_routes_by_the_certified_windows_without_certifying_a
     assert json.loads(meta["ss_downscale_map"])["method"] == "certify" and json.loads(meta["ss_downscale_counts"])["forwards"] == 32
 
 
-def test_costs_are_in_the_runs_flop_units_and_a_window_that_cannot_pay_is_not_sought(tmp_path, monkeypatch, caplog):
-    """Budget, spend and saving in one unit, the run's FLOP model: a route pass at 8x8 of 16x16 costs the
-    model's 0.91, not the token fraction 0.25. Then the most either bin's window could save over the run's
-    176 later passes (176 × 0.09 ≈ 15) is less than one safe verdict's evidence (61.2): nothing is spent."""
+def test_costs_are_in_the_runs_flop_units_and_a_run_that_cannot_pay_trains_native(tmp_path, monkeypatch, caplog, steps):  # noqa: F811
+    """Budget, spend and saving in one unit, the run's FLOP model: a route pass at 8x8 of 16x16 costs the model's 0.91,
+    not the token fraction 0.25. A safe verdict then costs 16 × 2 × 1.91 = 61.2, and no bin's window could save that
+    back over the run's 176 later passes (176 × 0.09 × its mass): by default the run trains native from the start and
+    says what would pay; "refuse" stops at start with the same words; "buy" certifies all the same, in FLOP units."""
     monkeypatch.setattr(AutoSession, "pass_fraction", FLOP_FRACTION)
-    with caplog.at_level(logging.INFO):
-        run = run_double("flux", *ARGV, downscale=auto_config(tmp_path, map_margin=0.99)).last_run
-    model = run.network.downscale_run.totals.flop_model
+    bought = run_double("flux", *ARGV, downscale=auto_config(tmp_path / "buy", map_margin=0.99)).last_run
+    model = bought.network.downscale_run.totals.flop_model
     fraction = model.flops(16) / model.flops(64)  # Flux's patch 2: 8x8 → 16 image tokens, 16x16 → 64
-    blob = json.loads((tmp_path / "auto" / "certify.json").read_text())
+    blob = json.loads((tmp_path / "buy" / "auto" / "certify.json").read_text())
     assert blob["cost"]["route_pass_cost"]["latent_0.5"] == pytest.approx(fraction, abs=1e-6) and fraction > 0.5
-    need = first_verdict_cost(CertifySettings(draws=2), [fraction])  # 16 probes × 2 draws × (1 + 0.91)
-    assert blob["cost"]["native_step_equivalents"] == 0 and need <= blob["cost"]["budget"]
-    assert {r["verdict"] for r in blob["bins"]} == {"cost", "untested"} and any("not worth its evidence" in n for n in blob["notes"])
-    assert run.network.downscale_run.cfg.routes == ()
+    assert blob["cost"]["native_step_equivalents"] > 0 and blob["plan"]["horizon"] is None
+    calls = steps("flux")
+    with caplog.at_level(logging.INFO):
+        run = run_double("flux", *ARGV, downscale=auto_config(tmp_path / "skip", map_margin=0.99, certify_unpaid="skip")).last_run
+    assert run.network.downscale_run.cfg.routes == () and not (tmp_path / "skip" / "auto").exists()
+    assert [shape for shape, _ in calls if shape[0] == 1] == []  # no probe draw ran
+    assert "no certification, the run trains native" in caplog.text and "costs 61.2 native-step equivalents" in caplog.text
+    assert "What would pay: a run of at least" in caplog.text and "a windows file certified once on this model" in caplog.text
+    assert "certification: none, the run trained native" in caplog.text  # the end summary
+    with pytest.raises(HostError, match=r'certify_unpaid = "refuse": certification cannot pay in this run: the best test'):
+        run_double("flux", *ARGV, downscale=auto_config(tmp_path / "refuse", map_margin=0.99, certify_unpaid="refuse"))

@@ -81,12 +81,6 @@ class CertifySettings:
     horizon: float | None = None
 
 
-def first_verdict_cost(settings: CertifySettings, fractions: Sequence[float]) -> float:
-    """Native-step equivalents of the cheapest safe verdict: the top bin's test of every route (they
-    share its native draws) brought to the first look that may read safe."""
-    return settings.looks.first_safe * settings.draws * (1.0 + math.fsum(fractions))
-
-
 def settings_problems(s: CertifySettings) -> list[str]:
     problems = []
     if s.draws < 2:
@@ -257,6 +251,7 @@ class CertifyResult:
     spent: float
     notes: list[str]
     provenance: dict[str, Any] = field(default_factory=dict)
+    plan: Plan | None = None  # the plan the tests ran by (``plan_tests``)
 
     def test(self, route: str, bin_: int) -> BinTest | None:
         return next((t for t in self.tests if t.route == route and t.bin == bin_), None)
@@ -308,6 +303,7 @@ class CertifyResult:
             "safe_bins": len(self.safe_tests()),
             "scope": scope_text(self.provenance.get("backend", {})),
             "spot_checks": self.spot_summary(),
+            "plan": None if self.plan is None else self.plan.summary(),
             "notes": list(self.notes),
         }
 
@@ -391,6 +387,16 @@ class Plan:
                 spent += t.cost
                 taken[t.bin], gain[t.bin] = t.saving, t.value
         return run, spent, (self.horizon or 0.0) * sum(gain.values())
+
+    def summary(self) -> dict[str, Any]:
+        """What ``certify.json`` records of the plan: its order, horizon, stake and best case."""
+        run, spent, saving = self.best_case()
+        return {
+            "order": [[t.route.name, t.bin] for t in self.tests],
+            "horizon": self.horizon,
+            "stake": self.stake,
+            "best_case": {"tests": len(run), "spend": spent, "routed_saving": saving},
+        }
 
     def lines(self, bins: SigmaBins, passes: float) -> list[str]:
         """The plan as the start banner and the log print it: expected spend, break-even, best and worst case."""
@@ -666,7 +672,7 @@ def run_certify(
     certifier = Certifier(source, routes, bins, settings, mass, progress, prior)
     tests = certifier.run()
     prov = {**(provenance or {}), "wall_s": round(time.perf_counter() - t0, 2)}
-    return CertifyResult(bins, certifier.routes, settings, tests, certifier.spent, certifier.notes, prov)
+    return CertifyResult(bins, certifier.routes, settings, tests, certifier.spent, certifier.notes, prov, certifier.plan)
 
 
 def load_tests(blob: dict[str, Any]) -> list[BinTest]:

@@ -8,6 +8,7 @@ the σ mass of its own sampler and, to continue, an earlier ``certify.json``; th
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -23,8 +24,9 @@ from .certify import (
     BackendDraws,
     CertifyResult,
     CertifySettings,
-    first_verdict_cost,
+    Plan,
     load_tests,
+    plan_tests,
     run_certify,
     settings_problems,
     token_fraction,
@@ -48,9 +50,9 @@ def in_run_setup(cfg: DownscaleConfig, passes: int, seed: int) -> InRunSetup:
     """The config's certification for a run of ``passes`` single-sample native passes: the map's
     ratios, bins and ε, the ``certify_*`` keys, the default look schedule (its last look is the probe
     count), the budget ``certify_budget`` × ``passes``, and the passes after the probes as the horizon
-    a window must pay back its evidence over."""
+    a window must pay back its evidence over (none with ``certify_unpaid = "buy"``: windows for later runs)."""
     looks = Looks()
-    horizon = float(max(passes - looks.last, 0))
+    horizon = None if cfg.certify.unpaid == "buy" else float(max(passes - looks.last, 0))
     settings = CertifySettings(
         cfg.map.margin, cfg.certify.draws, looks, cfg.certify.budget * passes, seed, cfg.certify.spot_checks, horizon
     )
@@ -73,18 +75,36 @@ def pass_costs(flop_model: Any, arch: str | None) -> Callable[[tuple[int, ...], 
     return fraction
 
 
-def budget_problem(cfg: DownscaleConfig, settings: CertifySettings, passes: int, fractions: Sequence[float]) -> str | None:
-    """``certify_budget`` too small for one safe verdict (every route's top bin on all its probes), with
-    what it would need; None when it covers one."""
-    need = first_verdict_cost(settings, fractions)
-    if settings.budget >= need:
+def start_plan(setup: InRunSetup, fractions: Sequence[float], mass: Callable[[float, float], float]) -> Plan:
+    """The certification's plan before any probe (``certify.plan_tests``): ``fractions`` each route's pass cost and
+    ``mass`` the run's σ mass per bin, as the run's buckets give them."""
+    costs = {arm.name: f for arm, f in zip(setup.routes, fractions, strict=True)}
+    return plan_tests(setup.routes, setup.bins, setup.settings, mass, lambda arm: costs[arm.name])
+
+
+def unpaid_problem(cfg: DownscaleConfig, plan: Plan, bins: SigmaBins, passes: int) -> str | None:
+    """Why no planned test can pay back its evidence within this run and the budget, and what would pay; None when
+    one can (the run certifies)."""
+    if any(t.cost <= plan.budget for t in plan.paying):
         return None
-    return (
-        f"certify_budget: {cfg.certify.budget:g} of this run's {passes} single-sample passes is {settings.budget:.1f} native-step "
-        f"equivalents; one safe verdict costs {need:.1f} ({settings.looks.first_safe} probes × {settings.draws} draws × (1 native + "
-        f"the routes' costs {' + '.join(f'{f:.3f}' for f in fractions)})): certify_budget >= {need / passes:.3f} at this length, "
-        "or a longer run; certify_budget = 0 trains without certifying"
-    )
+    if not plan.tests:
+        return f"the σ sampler draws no σ in any of the bins {bins.spec()}: no window could route a step"
+    best, horizon, probes = plan.tests[0], plan.horizon, passes - (plan.horizon or 0.0)
+    text = f"the best test, {best.route.name} on σ {bins.label(best.bin)} (σ mass {best.mass:.3f}), costs {best.cost:.1f} native-step equivalents"
+    would = []
+    if horizon is not None and horizon * best.value < best.cost:
+        pay_from = probes + math.ceil(best.cost / best.value)
+        text += f" and, safe, would save {horizon * best.value:.1f} over the run's {horizon:g} later passes"
+        would.append(f"a run of at least {pay_from:.0f} single-sample passes (more steps)")
+    if best.cost > plan.budget:
+        text += f"; certify_budget {cfg.certify.budget:g} of the run's {passes} passes is {plan.budget:.1f}"
+        would.append(f"certify_budget >= {best.cost / passes:.3f}")
+    if cfg.certify.draws > 2:
+        cheaper = best.cost * 2 / cfg.certify.draws
+        paid = f", paying from {probes + math.ceil(cheaper / best.value):.0f} passes" if best.value > 0 else ""
+        would.append(f"a cheaper probe setting, certify_draws = 2 ({cheaper:.1f} per verdict{paid}; noisier estimates)")
+    would.append("a windows file certified once on this model and reused (downscale_config = an earlier auto run's windows.toml)")
+    return f"certification cannot pay in this run: {text}. What would pay: {'; '.join(would)}"
 
 
 class ForeignEvidence(ValueError):

@@ -4,8 +4,10 @@ Timeline (one process; docs/FIDELITY.md §9 has the method):
 
 1. The host's ``start`` builds the session (a host's subclass of :class:`AutoSession`). The run has no routes, so its first steps are native,
    bitwise the host's. What the run already shows (several processes, a ratio with no smaller grid,
-   fewer train batches than the 16 probes need, a budget too small for the certifier's first look,
-   a ``certify_resume`` file for other settings or another model) stops the run there.
+   fewer train batches than the 16 probes need, a ``certify_resume`` file for other settings or another model) stops
+   the run there. The certifier's plan is made then, from the buckets' σ mass and pass costs (``in_run.start_plan``)
+   and printed in the banner; when no test can pay back its evidence within the run and the budget, the run trains
+   native and says what would pay (``certify_unpaid = "refuse"``: stops instead).
 2. Train batches are cut into single-sample probes (``probes.ProbeSession``) until the last look's
    16 are in.
 3. Before the step of that batch, the certifier (``mapping/certify.py``) runs once over them, every
@@ -16,7 +18,8 @@ Timeline (one process; docs/FIDELITY.md §9 has the method):
    draw's backward (``estimator.param_grads``): ``.grad``, the optimizer and every later draw are the run's as if nothing had run.
 4. The certified windows (``windows.toml`` in ``map_out``, with ``certify.json``: every bin's verdict,
    bound and evidence) become the run's routes; the saved weights carry ``ss_downscale_map``, and
-   the end summary adds the certification's cost, the routed share and the net saving.
+   the end summary and the trackers (``downscale/certify/*``) give the certification's cost, the routed saving and the
+   net, in native-step equivalents and as a share of the run.
 
 Front-loaded, not spread: a window saves only on the steps after it opens, and the certifier's
 verdicts are as valid at the start as later, so all of the budget is spent as soon as the probes are
@@ -68,34 +71,49 @@ class AutoSession(ProbeSession):
         self.paths: dict[str, str] = {}
         self.certify_s = 0.0
         self.started = time.perf_counter()
+        self.plan: Any = None  # the certifier's plan at start (``in_run.start_plan``), when the buckets give the routes' costs
+        self.skipped: str | None = None  # why no test can pay: the run trains native
         self.refuse(self.problems())
+        run.scalar_extra.append(self.scalars)
 
     def problems(self) -> list[str]:
         """What makes certification in this run impossible, found before any compute."""
         cfg = self.run.cfg
-        from ...mapping.in_run import budget_problem
+        from ...mapping.in_run import start_plan, unpaid_problem
 
         problems = self.run_problems(cfg.map.ratios, "map_ratios", "probes") + self.setup.problems
         fractions = self.route_fractions()
-        if fractions is not None:
-            problems += filter(None, [budget_problem(cfg, self.settings, self.run_passes, fractions)])
+        if fractions is not None and not self.setup.problems:
+            self.plan = start_plan(self.setup, fractions, self.sigma_mass(self.buckets.latent_buckets, self.buckets.weights)[0])
+            unpaid = unpaid_problem(cfg, self.plan, self.bins, self.run_passes)
+            if unpaid is not None and (cfg.certify.unpaid != "skip"):
+                problems.append(f'certify_unpaid = "{cfg.certify.unpaid}": {unpaid}; certify_unpaid = "skip" trains native instead')
+            self.skipped = unpaid
         if cfg.certify.resume:
             problems += self._prior_problems(cfg.certify.resume)
         return problems
 
     def route_fractions(self) -> list[float] | None:
-        """Each route's pass cost in native passes (:meth:`pass_fraction`) on the run's first bucket."""
-        if not self.buckets.latent_buckets:
+        """Each route's pass cost in native passes (:meth:`pass_fraction`), averaged over the run's buckets by their share."""
+        buckets = self.buckets.latent_buckets
+        if not buckets:
             return None
-        native = self.buckets.latent_buckets[0]
         spec = get_arch(self.run.arch)
+        weights = self._weights(buckets, getattr(self.buckets, "weights", None))
         fractions = []
         for arm in self.routes:
-            small = target_grid(native, arm.ratio, spec)
-            if small is None:
+            smalls = [target_grid(native, arm.ratio, spec) for native in buckets]
+            if any(small is None for small in smalls):
                 return None  # named by run_problems
-            fractions.append(self.pass_fraction(small, native))
+            fractions.append(sum(w * self.pass_fraction(small, native) for w, small, native in zip(weights, smalls, buckets, strict=True)))
         return fractions
+
+    @staticmethod
+    def _weights(grids: list[Any], weights: Any) -> list[float]:
+        """Each grid's share (equal when the host gives none)."""
+        if not weights or len(weights) != len(grids) or not sum(weights) > 0:
+            return [1.0 / len(grids)] * len(grids)
+        return [w / sum(weights) for w in weights]
 
     def pass_fraction(self, small: tuple[int, ...], native: tuple[int, ...]) -> float:
         """A pass on the ``small`` latent grid (…, h, w) in native passes under the run's FLOP model (its token
@@ -127,6 +145,9 @@ class AutoSession(ProbeSession):
 
     def banner(self) -> str:
         s = self.settings
+        if self.skipped is not None:
+            return f'  mode = "auto": no certification, the run trains native (as the plain run): {self.skipped}'
+        plan = self.plan.lines(self.bins, self.run_passes) if self.plan is not None else []
         return (
             f'  mode = "auto": the certifier runs when the first {self.images} training samples are in (batch {self.batches_needed}, '
             f"before its step); routes {', '.join(a.name for a in self.routes)}, σ bins {self.bins.spec()}, ε {s.margin:g}, "
@@ -135,7 +156,13 @@ class AutoSession(ProbeSession):
             f"{self.run_passes} single-sample passes), none on a window that cannot pay it back over the run's later passes; "
             f"the windows serve only the tiers of the buckets the probes come from; outputs to {self.out_dir}"
             + (f"; continuing the evidence of {self.run.cfg.certify.resume}" if self.prior else "")
+            + "".join(f"\n  {line}" for line in plan)
         )
+
+    def install(self) -> None:
+        """Collect probes and certify (``ProbeSession.install``), unless no test can pay: then the run is the plain run."""
+        if self.skipped is None:
+            super().install()
 
     # -- certification --------------------------------------------------------------------------
 
@@ -143,23 +170,31 @@ class AutoSession(ProbeSession):
         """The host's σ sampler as ``plan`` draws it (``sample(n, latent_hw, generator)``)."""
         raise NotImplementedError
 
-    def sigma_mass(self, latent_hw: tuple[int, int]) -> tuple[Any, str]:
-        """P(lo < σ ≤ hi) (a point bin: P(σ = hi)) under the host's own sampler at the probes' grid, from
-        :data:`MASS_SAMPLES` draws made as ``plan`` makes them (forked RNG: the run's draws are untouched)."""
+    def sigma_mass(self, grids: list[tuple[int, int]], weights: Any = None) -> tuple[Any, str]:
+        """P(lo < σ ≤ hi) (a point bin: P(σ = hi)) under the host's own sampler, averaged over ``grids`` (the probes',
+        or the run's buckets by ``weights``: a flow shift depends on the grid), from :data:`MASS_SAMPLES` draws per grid
+        made as ``plan`` makes them (a private generator: the run's draws are untouched)."""
         sampler = self.host_sampler()
-        sigmas = sampler.sample(MASS_SAMPLES, latent_hw, torch.Generator().manual_seed(self.run.seed)).double()
+        shares: dict[tuple[int, int], float] = {}
+        for grid, w in zip(grids, self._weights(grids, weights), strict=True):
+            shares[tuple(grid)] = shares.get(tuple(grid), 0.0) + w
+        draws = {grid: sampler.sample(MASS_SAMPLES, grid, torch.Generator().manual_seed(self.run.seed)).double() for grid in shares}
 
         def mass(lo: float, hi: float) -> float:
-            inside = (sigmas == hi) if hi <= lo else (sigmas > lo) & (sigmas <= hi)
-            return float(inside.double().mean())
+            total = 0.0
+            for grid, sigmas in draws.items():
+                inside = (sigmas == hi) if hi <= lo else (sigmas > lo) & (sigmas <= hi)
+                total += shares[grid] * float(inside.double().mean())
+            return total
 
-        return mass, f"the host's sampler ({MASS_SAMPLES} draws at latent {latent_hw[0]}x{latent_hw[1]})"
+        named = ", ".join(f"{h}x{w}" for h, w in shares)
+        return mass, f"the host's sampler ({MASS_SAMPLES} draws per latent grid, {named})"
 
     def complete(self, arguments: dict[str, Any]) -> None:
         from ...mapping.in_run import ForeignEvidence, certify_in_run
 
         backend = self.backend(arguments)
-        mass, mass_text = self.sigma_mass(backend.grids[0])
+        mass, mass_text = self.sigma_mass([tuple(g) for g in backend.grids])
         prior = (self.run.cfg.certify.resume, self.prior) if self.prior is not None else None
         try:
             done = certify_in_run(
@@ -181,10 +216,12 @@ class AutoSession(ProbeSession):
             logger.warning('downscale_plugin: certify_resume: %s; windows_foreign = "warn": continuing it anyway', text)
         self.result, self.certify_s = done.result, done.seconds
         self.paths = {"toml": done.windows_toml, "json": done.certify_json}
+        plan = done.result.plan.lines(self.bins, self.run_passes) if done.result.plan is not None else []
         logger.info(
-            "downscale_plugin: certified before train batch %d (%.1f s)\n%s\nwrote %s\nwrote %s",
+            "downscale_plugin: certified before train batch %d (%.1f s)\n%s\n%s\nwrote %s\nwrote %s",
             self.batches,
             done.seconds,
+            "\n".join([*plan, *done.result.notes]) or 'plan: none (certify_unpaid = "buy": no pay rule)',
             done.table,
             done.windows_toml,
             done.certify_json,
@@ -234,29 +271,53 @@ class AutoSession(ProbeSession):
             format_plan(plan) if plan else rules,
         )
 
-    def summary_lines(self) -> list[str]:
-        """The end summary's certification lines: cost against the run, routed share, net saving."""
+    def net(self) -> tuple[float, float, float] | None:
+        """(certification cost, routed saving so far, net) in native-step equivalents of the run's FLOP model (its
+        token fraction without one: the unit the certifier priced passes in); None before a certification."""
         if self.result is None:
+            return None
+        totals = self.run.totals
+        saving = totals.flop_saving()
+        saving = totals.token_saving() if saving is None else saving
+        saved = saving * sum(totals.counts.samples)
+        return self.result.spent, saved, saved - self.result.spent
+
+    def scalars(self) -> dict[str, float]:
+        """``downscale/certify/*`` for the host's trackers: cost, routed saving and net, in native-step equivalents
+        and as % of the run's passes."""
+        net = self.net()
+        if net is None:
+            return {}
+        out = {}
+        for name, value in zip(("cost", "saving", "net"), net, strict=True):
+            out[f"downscale/certify/{name}"] = value
+            out[f"downscale/certify/{name}_pct"] = 100.0 * value / self.run_passes if self.run_passes else 0.0
+        return out
+
+    def summary_lines(self) -> list[str]:
+        """The end summary's certification lines: cost, routed saving and net, in native-step equivalents and % of the run."""
+        if self.skipped is not None:
+            return [f"  certification: none, the run trained native: {self.skipped}"]
+        net = self.net()
+        if net is None:
             if self.measured:  # adopted from a resumed state
                 return ["  certification: none in this run; the resumed state's windows, certified before it was saved, route it"]
             return []
-        totals = self.run.totals
-        spent = self.result.spent
-        share = spent / self.run_passes if self.run_passes else 0.0
-        flop = totals.flop_saving()
-        lines = [
-            f"  certification: {spent:.1f} native-step equivalents ({COST_UNIT}; {pct(share)} of the run's native compute, budget "
-            f"{pct(self.run.cfg.certify.budget)}), {self.certify_s:.1f} s; {len(self.result.safe_tests())} safe bin(s); "
-            f"{self.result.spot_text()}; routed {pct(totals.demote_fraction())} of the run's steps"
+        spent, saved, gain = net
+        of = lambda x: pct(x / self.run_passes) if self.run_passes else "n/a"  # noqa: E731
+        wall = time.perf_counter() - self.started
+        flop = self.run.totals.flop_saving()
+        train = max(wall - self.certify_s, 0.0)
+        seconds = train * flop / (1.0 - flop) if flop is not None and flop < 1.0 else 0.0  # the routed steps' saving in s (FLOP model)
+        return [
+            f"  certification: {spent:.1f} native-step equivalents ({of(spent)} of the run, budget {pct(self.run.cfg.certify.budget)}), "
+            f"{self.certify_s:.1f} s; {len(self.result.safe_tests())} safe bin(s); {self.result.spot_text()}; routed "
+            f"{pct(self.run.totals.demote_fraction())} of the run's steps",
+            f"  net ({COST_UNIT}): routed saving {saved:.1f} ({of(saved)}) − certification {spent:.1f} ({of(spent)}) = {gain:+.1f} "
+            f"({of(gain)}) of the run's {self.run_passes} single-sample passes"
+            + (
+                f"; wall (FLOP-model estimate of the routed steps' saving minus the measured certification) {seconds - self.certify_s:+.1f} s of {wall:.1f} s"
+                if flop is not None
+                else ""
+            ),
         ]
-        if flop is not None:
-            wall = time.perf_counter() - self.started
-            train = max(wall - self.certify_s, 0.0)
-            saved = train * flop / (1.0 - flop) if flop < 1.0 else 0.0  # what the routed steps took off an all-native run (FLOP model)
-            lines.append(
-                f"  net saving ({COST_UNIT}): routed steps {flop * self.run_passes:.1f} ({pct(flop)}) − certification {spent:.1f} "
-                f"({pct(share)}) = {(flop - share) * self.run_passes:+.1f} ({pct(flop - share)}) of the run's {self.run_passes} passes; "
-                f"wall (FLOP-model estimate of the routed steps' saving minus the measured certification) {saved - self.certify_s:+.1f} s "
-                f"of {wall:.1f} s"
-            )
-        return lines

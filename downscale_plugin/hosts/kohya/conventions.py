@@ -145,6 +145,14 @@ MEASUREMENT_REFUSED = {
     "split_mode": "it swaps blocks (flux_train_network.py sets --blocks_to_swap 18)",
     "deepspeed": "DeepSpeed's engine owns the backward pass and its gradient partitions; a measurement's backward would write into them",
 }
+# What to do instead where a run needs the option (Flux at 1024² on a 24 GB card swaps blocks): certify without it,
+# then train with it; windows serve only the tier they were measured on (mapping/windows.py, ``tier_entries``).
+SWAPPING_INSTEAD = (
+    "certify where the model fits without swapping (the same resolution on a larger card, or a lower-resolution bucket, "
+    "whose windows route only that tier's buckets), or take a windows file certified for this model and tier elsewhere; "
+    'then train this run with mode = "train", downscale_config = that windows.toml and --{name}'
+)
+MEASUREMENT_INSTEAD = {"blocks_to_swap": SWAPPING_INSTEAD, "split_mode": SWAPPING_INSTEAD}
 # How the training script parses them (library/train_util.py, flux_train_network.py, library/deepspeed_utils.py;
 # musubi-tuner's training/parser_common.py), spelled out in full: an abbreviation is left to the script.
 _REFUSED_KINDS = {"blocks_to_swap": int, "split_mode": bool, "deepspeed": bool}
@@ -160,10 +168,10 @@ def measurement_option_problems(cfg: DownscaleConfig, args: Any) -> list[str]:
         if value in (None, False, 0):
             continue
         given = f"--{name}" if isinstance(value, bool) else f"--{name} {value}"
-        problems.append(
-            f'{given}: mode = "{cfg.mode}" does not run with it: {why}; measure in a run without it '
-            f'(its windows then train any run of the model with mode = "train" and --{name})'
+        instead = MEASUREMENT_INSTEAD.get(
+            name, 'measure in a run without it (its windows then train any run of the model with mode = "train" and --{name})'
         )
+        problems.append(f'{given}: mode = "{cfg.mode}" does not run with it: {why}; {instead.format(name=name)}')
     return problems
 
 

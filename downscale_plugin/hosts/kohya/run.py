@@ -151,6 +151,7 @@ class DownscaleRun:
         self.finished = False
         self.extra_metadata: dict[str, str] = {}  # e.g. ss_downscale_map after an in-run map
         self.summary_extra: list[Callable[[], list[str]]] = []  # more end-summary lines (an in-run certification's cost)
+        self.scalar_extra: list[Callable[[], dict[str, float]]] = []  # more tracker scalars (an in-run certification's net)
         self.read_host_state = read_host_state  # a state dir → the host's own record in it (sd-scripts' train_state.json)
         self.host_state: dict | None = None  # that record of the state the run resumed from
         self.patches = Patches()  # undone by close(), at the run's end
@@ -292,6 +293,8 @@ class DownscaleRun:
         if current_loss is not None:
             self.accounting.record_loss(float(current_loss))
         logs.update(self.totals.scalars())
+        for extra in self.scalar_extra:
+            logs.update(extra())
 
     def finish(self) -> None:
         """Every rank, once, at ``accelerator.end_training``: final totals and the end summary."""

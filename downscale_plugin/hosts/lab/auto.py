@@ -37,7 +37,8 @@ class LabAutoSession:
     """One lab ``auto`` run: probe collection, the certification, the switch to its windows."""
 
     def __init__(self, plugin: LabPlugin, args: argparse.Namespace, seed: int):
-        from ...mapping.in_run import budget_problem, in_run_setup, pass_costs
+        from ...mapping.in_run import in_run_setup, pass_costs, start_plan, unpaid_problem
+        from .sampler import lab_sampler
 
         cfg = plugin.cfg
         passes = args.max_train_steps * args.gradient_accumulation_steps * plugin.batch_size
@@ -46,13 +47,22 @@ class LabAutoSession:
         self.routes, self.bins, self.settings = setup.routes, setup.bins, setup.settings
         self.fraction = pass_costs(plugin.flop_model, cfg.arch)  # the run's FLOP unit, as the kohya hosts count
         problems = list(setup.problems)
+        self.skipped: str | None = None  # why no test can pay: the run trains native
         if cfg.arch is None:
             problems.append('arch: mode = "auto" on the lab needs an arch (e.g. "flux"): the windows name tiers at its VAE factor')
         else:
             native, spec = plugin.buckets[0], get_arch(cfg.arch)
             smalls = [target_grid(native, arm.ratio, spec) for arm in self.routes]
-            if all(smalls):
-                problems += filter(None, [budget_problem(cfg, self.settings, passes, [self.fraction(s, native) for s in smalls])])
+            if all(smalls) and not setup.problems:
+                sampler = lab_sampler(args)
+                plan = start_plan(
+                    setup, [self.fraction(s, native) for s in smalls], lambda lo, hi: sampler.mass(lo, hi, native) if hi > lo else 0.0
+                )
+                self.skipped = unpaid_problem(cfg, plan, self.bins, passes)
+                if self.skipped is not None and cfg.certify.unpaid != "skip":
+                    problems.append(
+                        f'certify_unpaid = "{cfg.certify.unpaid}": {self.skipped}; certify_unpaid = "skip" trains native instead'
+                    )
         if problems:
             raise ValueError('mode = "auto":\n  - ' + "\n  - ".join(problems))
         self.probes: list[dict[str, Any]] = []
@@ -61,7 +71,10 @@ class LabAutoSession:
         self.done: InRunCertification | None = None
 
     def install(self, trainer: Any, hook: MapHook, patches: Patches) -> None:
-        """Wrap the trainer's ``process_batch`` until the probes are in (undone then, or at the run's end)."""
+        """Wrap the trainer's ``process_batch`` until the probes are in (undone then, or at the run's end); nothing when
+        no test can pay (the run is the plain run)."""
+        if self.skipped is not None:
+            return
         current = trainer.process_batch
         signature = inspect.signature(type(trainer).process_batch)
         own = Patches()

@@ -18,13 +18,15 @@ route mean at cosine 1 − gap_i, D = 4 paired draws with noise of the signal's 
 - ``all_safe``: every (route, bin) at ε/10 (gap_i ~ N(0.005, 0.002²), clipped at 0);
 - ``lab_like``: the lab's measured per-image excess (docs/fidelity/lab_n64_d8_n16 for 0.875 / 0.75, its pooled map for
   0.5: the maps of docs/FIDELITY.md §3), bin for bin, clipped to [0, TRIM]: only the top high-σ bins are safe;
-- ``none_safe``: every (route, bin) at 4 ε (gap_i ~ N(0.2, 0.05²)).
+- ``none_safe``: every (route, bin) at 4 ε (gap_i ~ N(0.2, 0.05²));
+- ``borderline`` (printed as a comment, outside the contract): every (route, bin) under ε but spread (gap_i ~ N(0.03, 0.03²)),
+  where a test may run to its last look and end not safe (inconclusive): the plan's worst case.
 
 Net = (routed saving − certification cost) / passes: the saving is what the written windows route over the passes
 after the probes (each bin's mass × 1 − the pass cost of the first stacked window that covers it, ``windows.stack_windows``),
 the cost is ``result.spent``; both in native-step equivalents of the FLOP model. ``reuse ARCH cost``: a second run of
-the same key that starts from the first run's windows file (``downscale_config`` = that ``windows.toml``: nothing
-certified, cost 0); its net is the windows' saving alone.
+the same key that starts from the first run's ``all_safe`` windows file (``downscale_config`` = that ``windows.toml``,
+``mode = "train"``: nothing certified, cost 0); its net is those windows' saving alone.
 """
 
 from __future__ import annotations
@@ -57,7 +59,7 @@ from downscale_plugin.sigma import DdpmSampler, SigmaSampler  # noqa: E402
 
 PASSES, NATIVE_HW = 3000, (128, 128)
 SAMPLERS = {"flux": SigmaSampler(mode="flux_shift"), "sdxl": DdpmSampler()}
-SCENARIOS = ("all_safe", "lab_like", "none_safe")
+SCENARIOS = ("all_safe", "lab_like", "none_safe", "borderline")
 LAB_MAPS = {
     "docs/fidelity/lab_n64_d8_n16/map.json": ("latent_0.875", "latent_0.75"),
     "docs/fidelity/lab_n64_d8_n16_pool/map.json": ("latent_0.5",),
@@ -117,7 +119,7 @@ def scenario_gaps(name: str, seed: int) -> Callable[[str, int, int], float]:
     if name == "lab_like":
         lab = lab_gaps()
         return lambda route, b, image: lab[route, b][image % len(lab[route, b])]
-    centre, spread = {"all_safe": (0.005, 0.002), "none_safe": (0.2, 0.05)}[name]
+    centre, spread = {"all_safe": (0.005, 0.002), "none_safe": (0.2, 0.05), "borderline": (0.03, 0.03)}[name]
 
     def gap(route: str, b: int, image: int) -> float:
         rng = np.random.default_rng([seed, image, b, round(float(route.split("_")[-1]) * 1000), 0x6A9])
@@ -166,10 +168,10 @@ def one_run(arch: str, scenario: str, seed: int) -> dict:
     )
     later = PASSES - setup.settings.looks.last
     saving = routed_saving(result, mass, fractions, later)
-    reused = toml.loads(windows_toml(result)).get("routes", [])  # what a second run of the same key starts from
+    second = load_config(plugin_toml=toml.loads(windows_toml(result)))  # a second run of the same key: mode "train", these windows
     return {"arch": arch, "scenario": scenario, "seed": seed, "spent": result.spent, "saving": saving, "net": saving - result.spent,
-            "safe": [f"{t.route} {result.bins.label(t.bin)}" for t in result.safe_tests()], "reuse_routes": len(reused),
-            "notes": list(result.notes)}  # fmt: skip
+            "safe": [f"{t.route} {result.bins.label(t.bin)}" for t in result.safe_tests()], "reuse_rules": len(second.routes),
+            "reuse_cost": 0.0 if second.mode == "train" else math.nan, "notes": list(result.notes)}  # fmt: skip
 
 
 def revision() -> str:
@@ -198,17 +200,23 @@ def main() -> int:
             runs += cell
             summary[arch, scenario] = {k: float(np.mean([r[k] for r in cell])) for k in ("spent", "saving", "net")}
             summary[arch, scenario]["net_min"] = float(min(r["net"] for r in cell))
-            summary[arch, scenario]["reuse_saving"] = summary[arch, scenario]["saving"]
+            summary[arch, scenario]["reuse_cost"] = float(max(r["reuse_cost"] for r in cell))
     print(
         f"# revision {revision()}; {PASSES} passes at {NATIVE_HW[0] * 8}², {args.seeds} certifier seeds per cell; native-step equivalents"
     )
     print("# arch scenario: spent, routed saving, net (mean; worst seed)")
     for (arch, scenario), s in summary.items():
         print(f"# {arch} {scenario}: {s['spent']:.1f}, {s['saving']:.1f}, {s['net']:+.1f} (worst {s['net_min']:+.1f})")
-    for (arch, scenario), s in summary.items():
-        print(f"net {arch} {scenario} = {100 * s['net'] / PASSES:+.2f} %")
     for arch in SAMPLERS:
-        print(f"reuse {arch} cost = 0")
+        s = summary[arch, "all_safe"]
+        print(
+            f"# reuse {arch}: a second run trains with the all_safe windows file, nothing certified: net {100 * s['saving'] / PASSES:+.2f} %"
+        )
+    for (arch, scenario), s in summary.items():
+        line = f"net {arch} {scenario} = {100 * s['net'] / PASSES:+.2f} %"
+        print(line if scenario in SCENARIOS[:3] else f"# {line} (outside the contract: gaps under ε, spread)")
+    for arch in SAMPLERS:
+        print(f"reuse {arch} cost = {summary[arch, 'all_safe']['reuse_cost']:g}")
     if args.out:
         os.makedirs(args.out, exist_ok=True)
         with open(os.path.join(args.out, "economics.json"), "w") as fh:

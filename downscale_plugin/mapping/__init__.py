@@ -8,7 +8,7 @@ the native one per (route, σ bin), against the native redraw floor, and derive 
 - ``report``: console table, CSV, JSON, heatmap PNG (``write_outputs``)
 - ``cli``: ``python -m downscale_plugin map`` over the backends host packages register
 - ``certify``, ``paired``, ``sequential``: the budgeted certifier (paired noise, an anytime-valid
-  bound per bin, a top-down search weighted by σ mass × token saving); ``certify_cli``: ``certify``
+  bound per bin, a plan by σ mass × saving per cost, a stake in a run); ``certify_cli``: ``certify``
 
 The σ bins are core (``downscale_plugin.bins``); the backends live with their hosts
 (``hosts/lab/map_backend.py``; inside a training run ``hosts/sd_scripts/map_backend.py``).

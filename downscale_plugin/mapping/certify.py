@@ -9,29 +9,32 @@ the certifier spends evidence only where a verdict is still open and worth havin
 - **Sequential per bin**: images arrive one at a time in a seeded order; the bound is read at the
   looks of a :class:`~downscale_plugin.mapping.sequential.Looks` confidence sequence and the bin
   stops once ``safe``/``unsafe``/``futile``/``inconclusive`` (``sequential.verdict``).
-- **Spend where it pays**: the next evidence goes to the open test whose value per pass is largest,
-  value = the host sampler's mass of the bin × the route's token saving (1 − token fraction); a bin
-  the sampler never draws (σ = 1 under a continuous law) is never tested, it routes nothing.
-- **Search from σ = 1 down**: each route's bins are tested from the top; the first bin that ends not
-  safe is the route's edge and its search stops there. This assumes the excess does not decrease
-  as σ falls below the edge (on the lab maps it grows toward low σ, docs/FIDELITY.md §4); bins below
-  the edge are untested, i.e. not safe, so a wrong assumption costs windows, never soundness.
-  ``spot_checks`` bins below each edge are tested all the same once the searches are done; one that
-  comes out safe is reported as a monotonicity violation and never routed (``Verdicts``): a window
-  ends at its route's edge, so the assumption costs windows, never soundness.
+- **A plan before any evidence** (:func:`plan_tests`, docs/FIDELITY.md §9.4): every (route, bin) the
+  sampler draws, valued at its own bin's mass × the route's saving per pass (1 − its pass cost) and
+  priced at its safe read alone; tests run one at a time, best value per cost first, each to its
+  verdict. The order is each route's chain in the family (``sequential.Family``), fixed before any
+  evidence. A bin the sampler never draws (σ = 1 under a continuous law) is never tested, it routes
+  nothing; a milder route is not tested on a bin a deeper route is already safe on (its rule comes first).
+- **Prune only on confirmed excess**: a futile or inconclusive bin ends nothing else; a bin confirmed
+  unsafe (its lower bound above ε) leaves its route's bins below it untested. This assumes the excess
+  does not fall again below such a bin (on the lab maps it grows toward low σ from the top,
+  docs/FIDELITY.md §4); untested bins are not safe, so a wrong assumption costs windows, never soundness.
+  ``spot_checks`` of those bins are tested all the same once the search is done; one that comes out
+  safe is reported as a monotonicity violation and never routed (``Verdicts``).
 - **Safe only on the whole image pool**: a bin ends safe only at ``Looks.safe_from`` images (default
   the last look, the full map's N); earlier looks stop it only toward not-safe (``sequential.py``).
 - **Only evidence that can pay** (in a training run, ``CertifySettings.horizon`` = the passes the
-  windows would serve): before each step of evidence, the most the test's window could still save
-  (horizon × the route's token saving × the sampler mass of its bin and every bin below it) is set
-  against the evidence it still needs for a safe verdict; a test that cannot pay ends ``cost``. A
-  safe spot check is reported as ``spot-safe``, never as a safe bin.
+  windows would serve): a test runs only if its window, safe, saves back over the horizon the evidence
+  it still needs (``cost`` otherwise), if that evidence fits what is left of the budget (``budget``;
+  each test on its own), and if what is spent and not yet won back by safe windows, plus it, stays
+  within the plan's stake, the first test's safe read (``stake``): the run's worst case. A safe spot
+  check is reported as ``spot-safe``, never as a safe bin.
 
 Cost model: a native pass (one forward+backward at the native grid) is 1; a route pass counts its
 token fraction (h_r·w_r)/(h·w) of the grids actually run (= r² on the lab's default grids); the
-budget and ``native_step_equivalents`` are in these units. A native draw serves every route tested
-with it (one group: same bin, same image); a route that reaches the same (image, bin) later draws it
-again and pays again.
+budget and ``native_step_equivalents`` are in these units. Each test draws its own native passes (a
+route that reaches an (image, bin) another route has drawn draws it again and pays again: keeping
+draws would hold D × p floats per (image, bin)).
 
 Memory: a draw is reduced as it is taken (``sequential.PairedSums``: per arm a running sum on the
 gradients' devices, the rest float64 scalars), so a certification holds (1 + routes) sums and one
@@ -294,7 +297,7 @@ class CertifyResult:
                 )
         return {
             "method": "certify: paired noise, U-statistic cosine gap, looks (safe read on the last: mean + c·sd/√n, c calibrated on "
-            "heavy tails, at each test's level of fallback chains per route, family-wise α), top-down search",
+            "heavy tails, at each test's level of fallback chains per route, family-wise α), planned search (value per cost)",
             "provenance": self.provenance,
             "settings": {**asdict(s), "looks": looks_json(s.looks)},
             "bins_spec": {"edges": list(self.bins.edges), "endpoint": self.bins.endpoint},

@@ -74,8 +74,8 @@ def safe_quantile(level: float, n: int, margin: float) -> float:
 class Family:
     """Per-test levels of a run's safe reads with the family-wise false-safe rate ≤ α (module docstring).
 
-    ``chains``: the planned tests as chains of keys in their fixed test order (one chain per route, its bins
-    from σ = 1 down); every key once. α is split equally over the chains; within a chain, test i owns the
+    ``chains``: the planned tests as chains of keys in their fixed test order (one chain per route: its bins
+    in the certifier's plan order, or from σ = 1 down in the map); every key once. α is split equally over the chains; within a chain, test i owns the
     share ``weights[c][i]`` (normalised; default :data:`HEAD_SHARE` for the first, the rest halving below
     it, the last taking what is left). ``level(key)``: its own share plus the level of the test before it
     when that one settled safe. ``settle(key, safe)``: record a final verdict; a safe one passes its level

@@ -260,5 +260,5 @@ def describe_safe_read(looks: Looks, margin: float) -> str:
     return (
         f"safe = mean + c·sd/√n < ε = {margin:g} on {looks.first_safe} distinct probe images, c the studentized quantile "
         f"of the heavy reference laws (lognormal 1.5, Lomax 1.5) at each test's level; levels from the fallback chains "
-        f"(a route's bins from σ = 1 down): false-safe ≤ α = {looks.alpha:g} family-wise over routes and bins"
+        f"(a route's bins in the plan's order): false-safe ≤ α = {looks.alpha:g} family-wise over routes and bins"
     )

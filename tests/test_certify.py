@@ -602,3 +602,24 @@ def test_certified_windows_serve_only_the_tiers_their_probes_were_measured_on():
     assert [r["route"] for r in routes] == ["512:384", "1024:768"] and all(r["sigma_min"] == pytest.approx(0.9) for r in routes)
     routes, text = _scoped({})
     assert routes == [] and "the windows name no tier and are not routed" in text
+
+
+def test_a_run_that_cannot_break_even_is_told_what_would_pay():
+    """Route 0.5 on Flux at 1024² (pass cost 0.273), σ uniform: the best test is a plateau bin (mass 0.133), whose safe read
+    costs 64 × 1.273 = 81.5 and saves 0.133 × 0.727 = 0.097 per later pass: 300 passes cannot pay it back (284 × 0.097 =
+    27.5) nor hold it (budget 30); 3 000 passes can."""
+    from downscale_plugin.config import load_config
+    from downscale_plugin.mapping.in_run import in_run_setup, start_plan, unpaid_problem
+
+    cfg = load_config(table={"mode": "auto", "map_out": "o", "map_ratios": [0.5]})
+    uniform = lambda lo, hi: hi - lo  # noqa: E731
+
+    def problem(passes: int) -> str | None:
+        setup = in_run_setup(cfg, passes, 0)
+        return unpaid_problem(cfg, start_plan(setup, [0.2732], uniform), setup.bins, passes)
+
+    text = problem(300)
+    assert text is not None and "the best test, latent_0.5 on σ (0.7667,0.9] (σ mass 0.133), costs 81.5" in text
+    assert "a run of at least 857 single-sample passes (more steps)" in text and "certify_budget >= 0.272" in text
+    assert "certify_draws = 2 (40.7 per verdict, paying from 437 passes" in text and "a windows file certified once" in text
+    assert problem(3000) is None

@@ -439,7 +439,7 @@ def plan_tests(
             m = mass(*bins.bounds(b))
             if m > 0.0:
                 tests.append(Planned(arm, b, m, 1.0 - f, safe_cost(settings, f)))
-    tests.sort(key=lambda t: (-t.value / t.cost, -t.bin, t.route.ratio))
+    tests.sort(key=lambda t: (round(-t.value / t.cost, 12), -t.bin, t.route.ratio))  # equal to rounding: the higher bin first
     return Plan(tuple(tests), settings.horizon, settings.budget)
 
 

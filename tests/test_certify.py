@@ -581,6 +581,7 @@ def test_the_plan_orders_by_saving_per_cost_and_names_its_best_and_worst_case():
     assert saving == pytest.approx(1000 * 0.75) and plan.stake == pytest.approx(80.0)
     text = "\n".join(plan.lines(bins, 1016))
     assert "best case" in text and "net +590.0" in text and "worst case: net -80.0" in text and "break-even" in text
+    assert "expected spend: 20.0 if the first test is clearly not safe (its first look), 160.0 if every test is safe" in text
 
 
 def _scoped(backend: dict) -> tuple[list[dict], str]:

@@ -361,6 +361,7 @@ class Plan:
     tests: tuple[Planned, ...]
     horizon: float | None
     budget: float
+    first_look: float = 1.0  # the share of a safe read's evidence spent by the first look (where a clear not-safe stops)
 
     def pays(self, t: Planned, taken: float = 0.0) -> bool:
         """Whether ``t``'s window, safe, saves its evidence back over the horizon; ``taken``: the saving per pass a
@@ -412,7 +413,9 @@ class Plan:
             f"plan: {len(paying)} of {len(self.tests)} (route, σ bin) tests can pay back over the run's {self.horizon:g} later passes, "
             f"best saving per cost first; first {first.route.name} {bins.label(first.bin)} (σ mass {first.mass:.3f}: saves "
             f"{self.horizon * first.value:.1f} if safe, costs {first.cost:.1f})",
-            f"  break-even: a safe first test pays its cost back after {first.cost / first.value:.0f} later passes",
+            f"  expected spend: {first.cost * self.first_look:.1f} if the first test is clearly not safe (its first look), "
+            f"{spent:.1f} if every test is safe; break-even: a safe first test pays its cost back after "
+            f"{first.cost / first.value:.0f} later passes",
             f"  best case (every test safe, {len(run)} within the budget {self.budget:.0f}): spend {spent:.1f}, routed saving "
             f"{saving:.1f}, net {saving - spent:+.1f} ({pct_of(saving - spent, passes)} of the run)",
             f"  worst case: net {-self.stake:.1f} ({pct_of(-self.stake, passes)}): the first test read to its last look and not "
@@ -440,7 +443,8 @@ def plan_tests(
             if m > 0.0:
                 tests.append(Planned(arm, b, m, 1.0 - f, safe_cost(settings, f)))
     tests.sort(key=lambda t: (round(-t.value / t.cost, 12), -t.bin, t.route.ratio))  # equal to rounding: the higher bin first
-    return Plan(tuple(tests), settings.horizon, settings.budget)
+    looks = settings.looks
+    return Plan(tuple(tests), settings.horizon, settings.budget, looks.at[0] / looks.first_safe)
 
 
 class Certifier:

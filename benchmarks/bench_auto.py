@@ -61,7 +61,7 @@ def end_to_end(args: argparse.Namespace) -> dict:
         out = os.path.join(args.out, f"seed{seed}")
         table = {
             "mode": "auto", "arch": "flux", "map_out": out, "map_ratios": RATIOS, "map_bins": args.bins,
-            "map_margin": args.margin, "certify_budget": args.budget, "certify_draws": args.draws,
+            "map_margin": args.margin, "certify_budget": args.budget, "certify_draws": args.draws, "certify_unpaid": args.unpaid,
         }  # fmt: skip
         plugin = LabPlugin.for_lab(load_config(table=table), model_cfg, data)
         auto = train_lora(**common, hook_installer=plugin.installer)
@@ -138,6 +138,9 @@ def main() -> int:
     parser.add_argument("--budget", type=float, default=0.5, help="certify_budget (fraction of the run's native compute)")
     parser.add_argument("--margin", type=float, default=0.1)
     parser.add_argument("--draws", type=int, default=4)
+    parser.add_argument(
+        "--unpaid", default="skip", help='certify_unpaid: "skip" (as a user\'s run) or "buy" (certify although it cannot pay)'
+    )
     parser.add_argument(
         "--sampling", choices=("shift", "sigmoid"), default="shift", help="the lab trainer's σ sampler (default shift 3.1582)"
     )

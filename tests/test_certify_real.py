@@ -78,7 +78,11 @@ def test_auto_certifies_on_the_runs_first_samples_and_trains_with_the_windows(tm
     proc = run_e2e(tmp_path, "", "auto", E2E_STEPS="80", E2E_IMAGES="16", E2E_REPEATS="1", E2E_TOKEN_COSTS="1")  # 0.5 × 80 = 40
     log = " ".join((proc.stdout + proc.stderr).split())
     assert proc.returncode == 0 and "E2E OK" in log, log[-3000:]
-    assert "certified before train batch " in log and "certification: " in log and "net saving (native-step" in log, log[-3000:]
+    assert (
+        "certified before train batch " in log
+        and "certification: " in log
+        and "net (native-step equivalents of the run's FLOP model): routed saving" in log
+    ), log[-3000:]
 
 
 AUTO_RESUME = """

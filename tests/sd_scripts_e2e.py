@@ -27,8 +27,8 @@ routes: the map's files must be written, ``stop`` must end the script with exit 
 windows must record them (``ss_downscale_map``). ``record`` passes the arguments after it
 to the script (``--gradient_accumulation_steps 2 --resume DIR ...``) and writes ``WORK/record.json``:
 every train step's route decision in order, the saved LoRA's ``ss_downscale_*`` metadata and the
-accelerator's state hooks left at the end, and for SDXL the target size each UNet forward's size embedding encodes
-(``unet_sizes``); the caller checks them (``E2E_IMAGES``, ``E2E_REPEATS``,
+accelerator's state hooks left at the end, and for SDXL the source, crop and target sizes each UNet forward's size
+embedding encodes (``unet_sizes``); the caller checks them (``E2E_IMAGES``, ``E2E_REPEATS``, ``E2E_IMAGE_WH``,
 ``E2E_STEPS`` and ``E2E_ROUTES`` set the dataset, ``max_train_steps`` and the plugin table). Prints
 ``E2E OK`` on success.
 
@@ -78,6 +78,7 @@ from safetensors.torch import load_file, save_file
 STEPS = int(os.environ.get("E2E_STEPS", 8))
 IMAGES = int(os.environ.get("E2E_IMAGES", 2))
 REPEATS = int(os.environ.get("E2E_REPEATS", 4))
+IMAGE_WH = tuple(int(x) for x in os.environ.get("E2E_IMAGE_WH", "128x128").split("x"))  # the images' (W, H) in px
 DEFAULT_ROUTES = """
 [plugins.downscale]
 gate = "coupled"
@@ -153,7 +154,7 @@ def write_images(root: Path) -> Path:
     images.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for i in range(IMAGES):
-        pixels = (rng.random((128, 128, 3)) * 255).astype(np.uint8)
+        pixels = (rng.random((IMAGE_WH[1], IMAGE_WH[0], 3)) * 255).astype(np.uint8)
         Image.fromarray(pixels).save(images / f"{i}.png")
         (images / f"{i}.txt").write_text(f"a tiny test image number {i}")
     return root / "img"
@@ -495,27 +496,29 @@ def check_auto(work: Path, meta: dict) -> None:
 
 
 def sdxl_size_recorder() -> list:
-    """Per forward of SDXL's UNet: its latent grid and the target size (px) its size embedding encodes, found by the
-    host's own ``get_size_embeddings`` of the images' 128 px source, crop (0, 0) and a target at either the native
-    128 px or the forward's own grid × 8, whichever the embedding equals exactly (None: neither)."""
+    """Per forward of SDXL's UNet (batch size 1): its latent grid, the source size, crop top-left and target size (px,
+    (h, w) each) that the host's ``call_unet`` passed to ``get_size_embeddings`` for it, and whether the UNet's input
+    ``y`` carries exactly those sizes' embedding."""
     from library import sdxl_original_unet, sdxl_train_util
 
     seen: list = []
+    last: dict = {}
+    embed = sdxl_train_util.get_size_embeddings
     forward = sdxl_original_unet.SdxlUNet2DConditionModel.forward
 
+    def size_embeddings(orig_size, crop_size, target_size, device):
+        last.update(original=orig_size.tolist()[0], crop=crop_size.tolist()[0], target=target_size.tolist()[0])
+        last["embedding"] = embed(orig_size, crop_size, target_size, device)
+        return last["embedding"]
+
     def recorded(self, x, timesteps=None, context=None, y=None, **kwargs):
-        n, (h, w) = x.shape[0], x.shape[-2:]
+        assert x.shape[0] == 1, x.shape
         sizes = y[:, -6 * 256 :]  # after CLIP-G's pooled output: source, crop and target sizes (h, w), 256 each
-        found = None
-        for target in ((128, 128), (8 * h, 8 * w)):
-            embedding = sdxl_train_util.get_size_embeddings(
-                torch.tensor([[128, 128]] * n), torch.zeros(n, 2, dtype=torch.long), torch.tensor([target] * n), x.device
-            )
-            if torch.equal(sizes, embedding.to(sizes.dtype)):
-                found = list(target)
-        seen.append({"hw": [h, w], "target": found})
+        embedded = torch.equal(sizes, last.pop("embedding").to(sizes.dtype))
+        seen.append({"hw": list(x.shape[-2:]), **last, "embedded": embedded})
         return forward(self, x, timesteps, context, y, **kwargs)
 
+    sdxl_train_util.get_size_embeddings = size_embeddings
     sdxl_original_unet.SdxlUNet2DConditionModel.forward = recorded
     return seen
 

@@ -1,7 +1,7 @@
 """``benchmarks/gpu_check.sh``: usage, where it finds the host, the environment it builds, and the whole check end to
 end on CPU at small sizes (``--cpu-smoke``), so the GPU check is known to work before a device is lent: every part
 exits 0 and writes its JSON with the figures the GPU run reports. The end-to-end case needs the sd-scripts checkout
-(skipped unless ``SD_SCRIPTS_DIR`` is set; about 4 min on one core). ``gpu_rng_check.compare``, the RNG check's
+(skipped unless ``SD_SCRIPTS_DIR`` is set; 4–7 min on one loaded core). ``gpu_rng_check.compare``, the RNG check's
 verdict, is tested on made-up LoRA states (it imports torch only)."""
 
 from __future__ import annotations

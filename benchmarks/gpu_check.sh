@@ -15,7 +15,7 @@
 #   benchmarks/gpu_check.sh OUT_DIR --cpu-smoke  # CPU, small sizes (tests/test_gpu_check.py)
 #
 # The environment: PYTHON, if set, is used as it is (it needs torch and sd-scripts' requirements). Else the venv
-# GPU_CHECK_VENV (default: .venv-gpu-check in this checkout) is built once, and reused by a later run: a
+# GPU_CHECK_VENV (default: .venv-gpu-check in this checkout) is built, and reused by a later run once built to its end: a
 # CUDA torch/torchvision pair (TORCH_PACKAGES, default torch==2.14.1 torchvision==0.29.1: on x86-64 Linux the
 # registry's wheels of these are CUDA builds), sd-scripts' requirements.txt (its `-e .` left out: the snapshot is
 # read-only, and the benchmarks import it from SD_SCRIPTS_DIR), then this project with its map extra. pip's own variables
@@ -63,6 +63,7 @@ build_venv() {  # the environment a fresh machine lacks; its log is OUT/venv.log
     grep -v '^[[:space:]]*-e[[:space:]]' "$SD_SCRIPTS_DIR/requirements.txt" >"$venv/host-requirements.txt"
     "${pip[@]}" -r "$venv/host-requirements.txt" || return 1
     "${pip[@]}" -e "$REPO[map]" || return 1  # scipy: the certifier's sequential test
+    touch "$venv/.gpu-check-built"  # a build that ran to its end, for a later run to reuse
 }
 
 if [[ -n "${PYTHON:-}" ]]; then
@@ -72,7 +73,7 @@ else
     PY=$VENV/bin/python
     start=$SECONDS
     echo "== venv: $VENV" >&2
-    if [[ -x "$PY" ]] && "$PY" -c "import torch, accelerate, downscale_plugin" 2>/dev/null; then
+    if [[ -f "$VENV/.gpu-check-built" ]]; then
         echo "(reused)" >"$OUT/venv.log"
         record venv 0 "$start" "reused $VENV"
     elif build_venv "$VENV" >"$OUT/venv.log" 2>&1; then

@@ -88,9 +88,10 @@ def test_it_finds_the_host_beside_the_checkout_and_builds_its_environment_there(
         "python -",  # the probe of torch and the device
     ]
     assert (venv / "host-requirements.txt").read_text().splitlines() == ["accelerate==1.6.0", "numpy", "# a comment"]
-    (tmp_path / "out").rename(tmp_path / "first")
-    again = _run(str(tmp_path / "out"), env={**env, "PYTHON": str(bin_dir / "python3")}, script=script)
-    assert again.returncode == 2 and log.read_text().splitlines()[-1].startswith("python3 - |")  # a given python: no build
+    reused = _run(str(tmp_path / "again"), env=env, script=script)  # the venv built to its end: no pip
+    assert reused.returncode == 2 and log.read_text().splitlines()[len(calls) :] == [f"python - | SD_SCRIPTS_DIR={host}"]
+    given = _run(str(tmp_path / "given"), env={**env, "PYTHON": str(bin_dir / "python3")}, script=script)
+    assert given.returncode == 2 and log.read_text().splitlines()[-1].startswith("python3 - |")  # a given python: no venv
 
 
 def test_without_a_cuda_device_only_the_cpu_smoke_runs(tmp_path):

@@ -99,7 +99,7 @@ def test_a_drifted_expert_choice_stops_a_wan22_run(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(wan, "get_noisy_model_input_and_timesteps", get_noisy_model_input_and_timesteps)
-    argv = ("--buckets", "64x64x5", "--dit_high_noise", "high.safetensors", "--timestep_sampling", "sigmoid")
+    argv = ("--task", "t2v-A14B", "--buckets", "64x64x5", "--dit_high_noise", "high.safetensors", "--timestep_sampling", "sigmoid")
     with pytest.raises(HostError, match="WanNetworkTrainer.get_noisy_model_input_and_timesteps no longer matches Wan 2.2's expert"):
         run("WanNetworkTrainer", *argv, tmp_path=tmp_path, downscale=ALL_ROUTED)
 

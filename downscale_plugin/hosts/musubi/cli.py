@@ -33,6 +33,7 @@ from ...config import ConfigError, DownscaleConfig, vae_arm_problems
 from ...plan import Sampler
 from ...sigma import ContinuousLaw
 from ..kohya.conventions import config_from_command_line, config_from_training_toml
+from ..kohya.selfcheck import warned
 from .buckets import MusubiBuckets, latent_frames
 from .facts import BY_ARCH, MUSUBI_ARCHS, REFUSED_TRAINERS, SUPPORTED, TRAINER_BASE, HostError
 from .family import FLOW_MODES, MusubiFamily, flow_law, run_sampler
@@ -150,7 +151,7 @@ def read_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict[str, A
     except HostError as err:
         raise ConfigError([str(err)]) from None
     cfg, merged = config_from_command_line(argv)
-    problems = _run_problems(cfg, merged, arch) + command_line_drift(argv)
+    problems = _run_problems(cfg, merged, arch) + warned(command_line_drift(argv), cfg.host_check)
     if problems:
         raise ConfigError(problems)
     return cfg, merged

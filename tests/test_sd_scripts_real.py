@@ -31,6 +31,7 @@ from unittest.mock import MagicMock
 import numpy as np
 import pytest
 import torch
+from host_copies import host_copy, startup_env
 from host_modules import host_modules
 from rng_trap import NativeStepCheck, RngTrap
 from rng_trap import same as rng_same
@@ -593,18 +594,6 @@ CHANGED_FORMULA = ((*NOISE_DRAW, "    noise = noise * 1.01"),)
 FLUX_SAMPLER = "library.flux_train_utils.get_noisy_model_input_and_timesteps"
 
 
-def host_copy(tmp_path: Path, edits: tuple[tuple[str, str, str], ...]) -> Path:
-    """A copy of the real checkout with each edit (file, a line found there once, the line put after it) applied."""
-    root = tmp_path / "sd-scripts"
-    shutil.copytree(SD_SCRIPTS_DIR, root, ignore=shutil.ignore_patterns(".git", "__pycache__"))
-    for name, anchor, line in edits:
-        path = root / name
-        text = path.read_text(encoding="utf-8")
-        assert text.count(anchor) == 1, (name, anchor)
-        path.write_text(text.replace(anchor, f"{anchor}\n{line}"), encoding="utf-8")
-    return root
-
-
 def flux_record(work: Path, checkout: Path | str) -> tuple[dict, list[float]]:
     """The real Flux script of ``checkout`` through ``tests/sd_scripts_e2e.py record`` (routes at every σ > 0.3): its
     ``record.json`` and every step's ``loss/current`` from its TensorBoard log."""
@@ -626,18 +615,12 @@ def flux_record(work: Path, checkout: Path | str) -> tuple[dict, list[float]]:
     return json.loads((work / "record.json").read_text()), [e.value for e in scalars.Scalars("loss/current")]
 
 
-def startup_env() -> dict[str, str]:
-    """This environment with the startup check on (``downscale_plugin_startup.pth``), offline, unwrapped logs."""
-    env = {k: v for k, v in os.environ.items() if k != "DOWNSCALE_PLUGIN_NO_STARTUP_CHECK"}
-    return {**env, "HF_HUB_OFFLINE": "1", "COLUMNS": "1000"}
-
-
 def test_a_real_host_copy_that_added_an_option_trains_exactly_as_the_unchanged_host(tmp_path):
     """A newer sd-scripts with one more option (neutral default) that its noise function reads as ``args.noise_scale``:
     the check calls it with the run's own args, so the run is not refused, and its routed steps and losses are the
     unchanged host's, bit for bit. Before the model loads, the same check on the command line passes it at the default
     and refuses ``--noise_scale 1.01``, the run's own value, as a changed result."""
-    copy = host_copy(tmp_path, ADDED_OPTION)
+    copy = host_copy(SD_SCRIPTS_DIR, tmp_path / "sd-scripts", ADDED_OPTION)
     reference, reference_losses = flux_record(tmp_path / "unchanged", SD_SCRIPTS_DIR)
     record, losses = flux_record(tmp_path / "added", copy)
     assert sum(step["rule"] >= 0 for step in record["steps"]) >= 4  # routed steps
@@ -658,7 +641,7 @@ def test_a_real_host_copy_that_added_an_option_trains_exactly_as_the_unchanged_h
 def test_a_real_host_copy_with_a_changed_noise_formula_is_refused_before_the_script_loads_a_model(tmp_path):
     """The copy's noise × 1.01 in its own ``get_noisy_model_input_and_timesteps``: the real script, started as a user
     starts it, stops in the startup check before it reads its settings; ``host_check = "warn"`` logs it and goes on."""
-    copy = host_copy(tmp_path, CHANGED_FORMULA)
+    copy = host_copy(SD_SCRIPTS_DIR, tmp_path / "sd-scripts", CHANGED_FORMULA)
     config = tmp_path / "train.toml"
     config.write_text(EARLY_ERROR_TOML)  # checkpoints that do not exist: a run past the check fails loading them
     script = [sys.executable, str(copy / "flux_train_network.py"), "--config_file", str(config)]

@@ -17,8 +17,9 @@ timesteps = 1000·σ + 1 are the host's. What the plugin still re-implements:
   on both sides of ``timestep_boundary`` (a run training both experts only).
 
 The checks run at ``prepare_network`` (after musubi-tuner has loaded the DiT: the trainer builds the network
-after the model) and, before any model loads, in the startup check and ``check --host musubi -- SCRIPT ...``
-where the script's musubi-tuner is importable (``startup.py``).
+after the model; on the trainer's args) and, before any model loads, in the startup check and ``check --host musubi
+-- SCRIPT ...`` where the script's musubi-tuner is importable (``startup.py``: on what the script's own parser reads
+from the command line).
 """
 
 from __future__ import annotations

@@ -17,9 +17,9 @@ functions on a tiny fixed input (``hosts/kohya/selfcheck.py``; the inventory is 
   at integer ones (``prepare_network`` only: the option is the run's).
 
 Everything else a step needs the host builds itself (noise, ids, masks, target, the DDPM noisy input,
-the size embeddings). The checks run in ``start`` (``prepare_network``, after the models load), in
-``check -- SCRIPT ...`` and in the startup check, where the script's checkout is importable there:
-before any model loads.
+the size embeddings). The checks run in ``start`` (``prepare_network``, after the models load, on the trainer's
+args), in ``check -- SCRIPT ...`` and in the startup check, where the script's checkout is importable there:
+before any model loads, on what the script's own ``setup_parser()`` reads from the command line (``startup.py``).
 """
 
 from __future__ import annotations

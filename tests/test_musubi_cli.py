@@ -76,6 +76,7 @@ def host_doubles(monkeypatch):
     """The doubles' trainer_base stands in for musubi-tuner's: plan draws through the host's sampler."""
     monkeypatch.syspath_prepend(DOUBLES)
     monkeypatch.setattr(mcli, "TRAINER_BASE", "musubi_trainer_base")
+    monkeypatch.setattr(mcli, "PARSER_COMMON", "musubi_trainer_base")  # the double's parser holds the common options too
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield

@@ -34,6 +34,7 @@ SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at 
 POSITIONS = ("plain", "interpolate")  # position ids of a routed step (fasterdit.positions)
 MODES = ("train", "map", "auto")  # map: the full gradient map in the run; auto: certify windows in the run and train with them (mapping/)
 AFTER_MAP = ("stop", "train")
+REUSE = ("on", "refresh", "off")  # certify_reuse: the windows cache of mode = "auto" (mapping/reuse.py)
 VAE_ARM_KEYS = ("map_reenc", "map_pixel")  # the map's VAE arms (mapping/arms.py: reenc, pixel_<r>); the host must drive its VAE
 DEFAULT_MAP_RATIOS = (0.875, 0.75, 0.5)
 SPAN_MODES = ("early", "late", "spread")
@@ -175,6 +176,18 @@ class CertifyConfig:
         "bins tested below each route's edge after the search: a σ-monotonicity check that spends budget and never opens a window",
     )
     resume: str | None = _key(None, "str", help="a certify.json of an earlier run on the same model: its evidence is continued, not redone")
+    reuse: str = _key(
+        "on",
+        "enum",
+        REUSE,
+        "the windows cache (mapping/reuse.py): on: reuse windows certified under the same key, else certify and store them; "
+        "refresh: certify and replace the stored ones; off: neither read nor write it",
+    )
+    cache: str | None = _key(
+        None,
+        "str",
+        help="the windows cache folder (default: $DOWNSCALE_PLUGIN_CACHE, else $XDG_CACHE_HOME or ~/.cache, /downscale_plugin/windows)",
+    )
 
     def __post_init__(self) -> None:
         _check_fields(self)

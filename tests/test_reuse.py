@@ -212,3 +212,25 @@ def test_reuse_off_neither_reads_nor_writes_the_cache(tmp_path, model, windows_c
     calls = steps("flux")
     _run(tmp_path / "b", model, network_dim=4, certify_reuse="off")
     assert [shape for shape, _ in calls if shape[0] == 1] and len(list(windows_cache.glob("*.toml"))) == 1
+
+
+def test_musubi_wan22_keys_both_experts_and_reuses_at_zero_cost(tmp_path, windows_cache):
+    """musubi-tuner's Wan 2.2: the key hashes both experts' files; a second run with the same files draws no probe."""
+    from test_musubi_auto import WAN
+    from test_musubi_auto import auto_config as musubi_config
+    from test_musubi_doubles import run
+
+    low, high = tmp_path / "low.safetensors", tmp_path / "high.safetensors"
+    low.write_bytes(b"low" * 1000)
+    high.write_bytes(b"high" * 1000)
+    argv = [*WAN, "--task", "t2v-A14B", "--dit", str(low), "--dit_high_noise", str(high), "--timestep_sampling", "uniform",
+            "--items_per_bucket", "16", "--max_train_steps", "80", "--seed", "3"]  # fmt: skip
+    config = musubi_config(tmp_path, map_margin=0.99)
+    run("WanNetworkTrainer", *argv, tmp_path=tmp_path / "a", downscale=config)
+    (entry,) = [read_entry(str(p)) for p in windows_cache.glob("*.toml")]
+    assert entry.key.model == f"{file_hash(str(low))} + {file_hash(str(high))}" and entry.key.host == "musubi-tuner"
+    second = run("WanNetworkTrainer", *argv, tmp_path=tmp_path / "b", downscale=config)
+    assert len(second.last_transformer.calls) == 80  # one forward per step (batch 1): no probe draw
+    high.write_bytes(b"HIGH" * 1000)  # another high-noise expert: another key
+    third = run("WanNetworkTrainer", *argv, tmp_path=tmp_path / "c", downscale=config)
+    assert len(third.last_transformer.calls) > 80

@@ -77,7 +77,7 @@ class AutoSession(ProbeSession):
     # -- the windows cache (mapping/reuse.py) ----------------------------------------------------
 
     def windows_key(self, cache: str) -> Any:
-        """This run's :class:`~downscale_plugin.mapping.reuse.WindowsKey`: the base model file's sha256 (read once
+        """This run's :class:`~downscale_plugin.mapping.reuse.WindowsKey`: the base model files' sha256 (read once
         per file, remembered in ``cache``), the adapter module and ``network_dim``, the buckets, the σ law of the
         host's sampler, the host, the plugin's version and what is certified (routes, bins, ε, α)."""
         from ...mapping.reuse import WindowsKey, file_hash, sampler_fingerprint
@@ -85,7 +85,7 @@ class AutoSession(ProbeSession):
         dim = getattr(self.ctx.args, "network_dim", None)
         grids = [tuple(hw) for hw in self.buckets.latent_buckets]
         return WindowsKey(
-            model=file_hash(self.model_path(), cache),
+            model=" + ".join(file_hash(path, cache) for path in self.model_files()),
             arch=self.run.arch,
             network=self.run.inner,
             rank=None if dim is None else int(dim),
@@ -107,9 +107,11 @@ class AutoSession(ProbeSession):
         self.cache = cache_dir(certify.cache)
         if certify.reuse == "off":
             return None, None, 'windows cache: certify_reuse = "off": not read, not written'
-        path = self.model_path()
-        if not path or not os.path.isfile(path) or not self.buckets.latent_buckets:
-            return None, None, f"windows cache: the base model {path or '?'} is no file to hash: windows are not cached"
+        unhashable = [path or "?" for path in self.model_files() if not path or not os.path.isfile(path)]
+        if unhashable:
+            return None, None, f"windows cache: the base model {', '.join(unhashable)} is no file to hash: windows are not cached"
+        if not self.buckets.latent_buckets:
+            return None, None, "windows cache: the run's buckets are not known: windows are not cached"
         key = self.windows_key(self.cache)
         stored = f"the windows certified here are stored as {entry_path(key, self.cache)}"
         if certify.resume:

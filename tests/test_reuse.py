@@ -234,3 +234,14 @@ def test_musubi_wan22_keys_both_experts_and_reuses_at_zero_cost(tmp_path, window
     high.write_bytes(b"HIGH" * 1000)  # another high-noise expert: another key
     third = run("WanNetworkTrainer", *argv, tmp_path=tmp_path / "c", downscale=config)
     assert len(third.last_transformer.calls) > 80
+
+
+def test_a_resumed_run_routes_by_its_states_windows_not_the_cache(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
+    """``--resume`` of a state saved after the certification: the state's windows route it (and say so), as without a cache."""
+    _run(tmp_path / "a", model, network_dim=4, save_state=True, save_every_n_steps=8, output_dir=str(tmp_path / "a" / "out"))
+    state = tmp_path / "a" / "out" / "last-step00000008-state"
+    calls = steps("flux")
+    with caplog.at_level(logging.INFO):
+        _run(tmp_path / "b", model, network_dim=4, resume=str(state), skip_until_initial_step=True)
+    assert "windows cache: not read by a resumed run" in caplog.text
+    assert "the resumed state was saved after the measurement" in caplog.text and [s for s, _ in calls if s[0] == 1] == []

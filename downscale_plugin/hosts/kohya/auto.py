@@ -116,6 +116,8 @@ class AutoSession(ProbeSession):
         stored = f"the windows certified here are stored as {entry_path(key, self.cache)}"
         if certify.resume:
             return key, None, f"windows cache: certify_resume continues its evidence, the cache is not read; {stored}"
+        if getattr(self.ctx.args, "resume", None):
+            return key, None, f"windows cache: not read by a resumed run (--resume: its state's windows route it); {stored}"
         if certify.reuse == "refresh":
             return key, None, f'windows cache: certify_reuse = "refresh": {stored}'
         found = lookup(key, self.cache)

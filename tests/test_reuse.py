@@ -245,3 +245,19 @@ def test_a_resumed_run_routes_by_its_states_windows_not_the_cache(tmp_path, mode
         _run(tmp_path / "b", model, network_dim=4, resume=str(state), skip_until_initial_step=True)
     assert "windows cache: not read by a resumed run" in caplog.text
     assert "the resumed state was saved after the measurement" in caplog.text and [s for s, _ in calls if s[0] == 1] == []
+
+
+def test_keying_and_caching_leave_a_run_that_opens_nothing_bitwise_the_hosts(tmp_path, model, windows_cache):
+    """The key's σ fingerprint draws the host's sampler (forked) and the model file is hashed: a certification that
+    opens nothing, cached, leaves the losses and the adapter bitwise the plain run's."""
+    import torch
+
+    args = double_args("flux", *ARGV, network_module="networks.lora_flux")
+    args.pretrained_model_name_or_path, args.network_dim = str(model), 4
+    plain = trainer_class("flux")()
+    plain.train(args)
+    run = _run(tmp_path, model, network_dim=4, map_margin=1e-9)
+    assert len(list(windows_cache.glob("*.toml"))) == 1 and run.network.downscale_run.cfg.routes == ()
+    assert run.losses == plain.last_run.losses
+    theirs = plain.last_run.network.state_dict()
+    assert all(torch.equal(v, theirs[k]) for k, v in run.network.state_dict().items())

@@ -2,6 +2,10 @@
 
 Timeline (one process; docs/FIDELITY.md §9 has the method):
 
+0. The session keys the run (``mapping/reuse.py``: the base model files' sha256, adapter, rank, buckets, σ law, host,
+   version, routes, bins, ε, α). Windows cached under that key route the run from its first step, at no cost, and
+   nothing below happens; otherwise the banner names the nearest cached key's differing fields, and step 4 caches
+   what this run certifies.
 1. The host's ``start`` builds the session (a host's subclass of :class:`AutoSession`). The run has no routes, so its first steps are native,
    bitwise the host's. What the run already shows (several processes, a ratio with no smaller grid,
    fewer train batches than the 16 probes need, a budget too small for the certifier's first look,
@@ -112,8 +116,12 @@ class AutoSession(ProbeSession):
             return None, None, f"windows cache: the base model {', '.join(unhashable)} is no file to hash: windows are not cached"
         if not self.buckets.latent_buckets:
             return None, None, "windows cache: the run's buckets are not known: windows are not cached"
+        t0 = time.perf_counter()
         key = self.windows_key(self.cache)
+        took = time.perf_counter() - t0
         stored = f"the windows certified here are stored as {entry_path(key, self.cache)}"
+        if took >= 1.0:  # a model file's first sha256 (once per file)
+            stored += f" (the key took {took:.0f} s: the base model file's sha256, read once per file)"
         if certify.resume:
             return key, None, f"windows cache: certify_resume continues its evidence, the cache is not read; {stored}"
         if getattr(self.ctx.args, "resume", None):

@@ -261,3 +261,11 @@ def test_keying_and_caching_leave_a_run_that_opens_nothing_bitwise_the_hosts(tmp
     assert run.losses == plain.last_run.losses
     theirs = plain.last_run.network.state_dict()
     assert all(torch.equal(v, theirs[k]) for k, v in run.network.state_dict().items())
+
+
+def test_an_unwritable_cache_costs_the_reuse_not_the_run(tmp_path, model, caplog):
+    blocker = tmp_path / "not_a_folder"
+    blocker.write_text("")
+    with caplog.at_level(logging.INFO):
+        run = _run(tmp_path, model, network_dim=4, certify_cache=str(blocker))
+    assert "the windows cache could not be written" in caplog.text and run.network.downscale_run.cfg.routes

@@ -294,7 +294,7 @@ class AutoSession(ProbeSession):
         before = done.result.provenance.get("resumed_from", {}).get("native_step_equivalents", 0.0)
         try:
             path = store(self.key, text, before + done.result.spent, utc_now(), self.command(), self.cache)
-        except OSError as err:
+        except (OSError, ValueError) as err:  # an unwritable folder; windows the cache's own check refuses (reuse.EntryError)
             logger.warning("downscale_plugin: the windows cache could not be written (%s); the run goes on", err)
             return
         logger.info("downscale_plugin: cached the certified windows as %s (key %s)", path, self.key.digest())

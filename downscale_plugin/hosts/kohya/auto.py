@@ -119,9 +119,11 @@ class AutoSession(ProbeSession):
         t0 = time.perf_counter()
         key = self.windows_key(self.cache)
         took = time.perf_counter() - t0
+        if took >= 1.0:  # a model file's first sha256
+            logger.info(
+                "downscale_plugin: keyed the run for the windows cache in %.0f s (the base model's sha256, read once per file)", took
+            )
         stored = f"the windows certified here are stored as {entry_path(key, self.cache)}"
-        if took >= 1.0:  # a model file's first sha256 (once per file)
-            stored += f" (the key took {took:.0f} s: the base model file's sha256, read once per file)"
         if certify.resume:
             return key, None, f"windows cache: certify_resume continues its evidence, the cache is not read; {stored}"
         if getattr(self.ctx.args, "resume", None):

@@ -207,8 +207,17 @@ class Entry:
         return toml.loads(self.windows_text)
 
     def render(self) -> str:
-        doc = {"format": FORMAT, "cost": self.cost, "date": self.date, "origin": self.origin, "windows": self.windows_text}
-        return toml.dumps(doc) + "\n" + toml.dumps({"key": self.key.to_toml()})
+        """The entry file: the windows as a multi-line literal string, readable as the certifier wrote them (a
+        quoted one-line string when that would not read back the same)."""
+        head = toml.dumps({"format": FORMAT, "cost": self.cost, "date": self.date, "origin": self.origin})
+        key = "\n" + toml.dumps({"key": self.key.to_toml()})
+        literal = head + f"windows = '''\n{self.windows_text}'''\n" + key
+        try:
+            if toml.loads(literal)["windows"] == self.windows_text:
+                return literal
+        except toml.TomlDecodeError:
+            pass
+        return head + toml.dumps({"windows": self.windows_text}) + key
 
 
 def windows_problems(text: Any, key: WindowsKey | None = None) -> list[str]:

@@ -88,6 +88,12 @@ def test_store_then_lookup_hits_and_a_mismatch_names_the_nearest_entrys_fields(t
     assert "no cached windows in" in lookup(KEY, str(tmp_path / "empty")).reason
 
 
+def test_windows_that_a_literal_string_cannot_hold_round_trip_quoted():
+    text = "# a note with ''' in it\n" + WINDOWS
+    entry = reuse.Entry(KEY, 1.0, "d", "", text)
+    assert toml.loads(entry.render())["windows"] == text
+
+
 def _entry_doc(**changes):
     doc = toml.loads(read_entry(store(KEY, WINDOWS, 1.0, "d", "", "/tmp/reuse_entry_doc")).render())
     for dotted, value in changes.items():
@@ -133,6 +139,7 @@ def test_export_import_round_trip_through_the_cli(tmp_path, capsys):
     assert KEY.digest() in listed and "flux" in listed and "41.5" in listed
     shared = tmp_path / "flux-dev-r16.toml"
     assert main(["windows", "--cache", mine, "export", KEY.digest()[:6], str(shared)]) == 0
+    assert WINDOWS in shared.read_text()  # the windows read as written, not as one escaped string
     assert main(["windows", "--cache", theirs, "import", str(shared)]) == 0
     hit = lookup(KEY, theirs)
     assert hit.entry is not None and hit.entry.windows_text == WINDOWS and hit.entry.cost == 41.5

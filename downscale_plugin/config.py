@@ -35,6 +35,7 @@ SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at 
 POSITIONS = ("plain", "interpolate")  # position ids of a routed step (fasterdit.positions)
 MODES = ("train", "map", "auto")  # map: the full gradient map in the run; auto: certify windows in the run and train with them (mapping/)
 AFTER_MAP = ("stop", "train")
+HOST_CHECKS = ("error", "warn")  # the drift self-check's findings (hosts/kohya/selfcheck.py): refuse, or log, record and train on
 SPAN_MODES = ("early", "late", "spread")
 NETWORK_ARGS_PREFIX = "ds_"
 UNPREFIXED_NETWORK_ARGS = ("inner", "downscale_config")
@@ -181,6 +182,9 @@ class DownscaleConfig:
     tier_tolerance: float = setting(0.1, "float", (0.0, 0.5), "a bucket is in tier E when √(W·H) is within this fraction of E")
     arch: str | None = setting(None, "enum", ARCH_NAMES, "the architecture (default: detected from the trainer)")
     inner: str | None = setting(None, "str", help="inner network module (default: the trainer's own LoRA module)")
+    host_check: str = setting(
+        "error", "enum", HOST_CHECKS, "a host function the drift self-check finds changed or uncallable: error, or warn"
+    )
     fasterdit: FasterDitConfig = _group(FasterDitConfig)
     mode: str = setting(
         "train",

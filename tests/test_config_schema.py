@@ -76,3 +76,14 @@ def test_the_measurement_groups_keep_their_toml_keys_and_name_them_when_built_di
     with pytest.raises(ConfigError, match=r"windows_foreign: 'ignore' is not allowed \(allowed: error, warn\)"):
         WindowsProvenance(foreign="ignore")
     assert load_config(table={"mode": "auto", "map_out": "m", "certify_budget": 0.2}).certify == CertifyConfig(budget=0.2)
+
+
+def test_host_check_defaults_to_error_takes_warn_and_names_its_values_on_a_bad_one():
+    routed = {"routes": [{"scale": 0.5, "sigma_min": 0.9}]}
+    assert load_config(table=routed).host_check == "error"
+    assert load_config({"host_check": "warn"}, table=routed).host_check == "warn"
+    with pytest.raises(ConfigError) as raised:
+        load_config({"host_check": "ignore"}, table={"host_check": "off"})
+    text = str(raised.value)
+    assert "ds_host_check: 'ignore' is not allowed (allowed: error, warn)" in text
+    assert "host_check: 'off' is not allowed (allowed: error, warn)" in text

@@ -276,3 +276,14 @@ def test_an_unwritable_cache_costs_the_reuse_not_the_run(tmp_path, model, caplog
     with caplog.at_level(logging.INFO):
         run = _run(tmp_path, model, network_dim=4, certify_cache=str(blocker))
     assert "the windows cache could not be written" in caplog.text and run.network.downscale_run.cfg.routes
+
+
+def test_the_adapters_own_network_args_are_keyed_the_plugins_are_not(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
+    _run(tmp_path / "a", model, network_dim=4)
+    calls = steps("flux")
+    _run(tmp_path / "b", model, network_dim=4, network_args=["ds_gate=coupled"])  # a plugin key: the same key
+    assert [s for s, _ in calls if s[0] == 1] == []
+    with caplog.at_level(logging.INFO):
+        _run(tmp_path / "c", model, network_dim=4, network_args=["conv_dim=4", "ds_gate=coupled"])
+    assert "network: cached 'networks.lora_flux', this run 'networks.lora_flux (conv_dim=4)'" in caplog.text
+    assert [s for s, _ in calls if s[0] == 1]

@@ -44,6 +44,7 @@ from ...grid import target_grid
 from ...plan import format_plan
 from ...rng import plugin_logger
 from ...text import pct, route_rows
+from .conventions import split_network_args
 from .probes import ProbeSession
 from .run import DownscaleRun, version
 
@@ -82,16 +83,19 @@ class AutoSession(ProbeSession):
 
     def windows_key(self, cache: str) -> Any:
         """This run's :class:`~downscale_plugin.mapping.reuse.WindowsKey`: the base model files' sha256 (read once
-        per file, remembered in ``cache``), the adapter module and ``network_dim``, the buckets, the σ law of the
+        per file, remembered in ``cache``), the adapter module with its own ``network_args`` and ``network_dim``, the buckets, the σ law of the
         host's sampler, the host, the plugin's version and what is certified (routes, bins, ε, α)."""
         from ...mapping.reuse import WindowsKey, file_hash, sampler_fingerprint
 
-        dim = getattr(self.ctx.args, "network_dim", None)
+        args = self.ctx.args
+        dim = getattr(args, "network_dim", None)
         grids = [tuple(hw) for hw in self.buckets.latent_buckets]
+        given = dict(a.split("=", 1) for a in getattr(args, "network_args", None) or [] if "=" in a)  # as the trainers split them
+        inner = sorted(f"{k.strip()}={v}" for k, v in split_network_args(given)[1].items())  # the adapter's own options
         return WindowsKey(
             model=" + ".join(file_hash(path, cache) for path in self.model_files()),
             arch=self.run.arch,
-            network=self.run.inner,
+            network=self.run.inner + (f" ({', '.join(inner)})" if inner else ""),
             rank=None if dim is None else int(dim),
             buckets=tuple(f"{h}x{w}" for h, w in grids),
             sampler=sampler_fingerprint(self.host_sampler(), grids, MASS_SAMPLES),

@@ -116,6 +116,7 @@ def _entry_doc(**changes):
         ({"key.ratios": [1.5]}, "key.ratios: [1.5] must be an array of ratios strictly between 0 and 1"),
         ({"key.colour": "red"}, "key.colour: unknown key"),
         ({"cost": -1}, "cost: -1 must be a number >= 0"),
+        ({"cost": None}, "cost: missing"),
         ({"windows": "gate = 'loose'"}, "windows: [downscale_config] gate: 'loose' is not allowed (allowed: coupled, strict)"),
         ({"windows": WINDOWS.replace('"flux"', '"sdxl"')}, "windows: arch 'sdxl' is not the key's arch 'flux'"),
         ({"extra": 1}, "extra: unknown key"),

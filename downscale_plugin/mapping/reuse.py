@@ -42,7 +42,7 @@ class EntryError(ValueError):
     """A windows file that is not a valid cache entry; every problem names its key."""
 
     def __init__(self, path: str, problems: Sequence[str]):
-        self.problems = list(problems)
+        self.path, self.problems = path, list(problems)
         super().__init__(f"{path}: not a valid downscale-plugin windows file:\n  - " + "\n  - ".join(self.problems))
 
 
@@ -254,7 +254,9 @@ def read_entry(path: str) -> Entry:
     if doc.get("format") != FORMAT:
         problems.append(f"format: {doc.get('format')!r} (allowed: {FORMAT!r})")
     cost = doc.get("cost")
-    if isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost < 0:
+    if cost is None:
+        problems.append("cost: missing (the native-step equivalents the certification spent)")
+    elif isinstance(cost, bool) or not isinstance(cost, (int, float)) or not math.isfinite(cost) or cost < 0:
         problems.append(f"cost: {cost!r} must be a number >= 0 (native-step equivalents)")
     for name in ("date", "origin"):
         if not isinstance(doc.get(name, ""), str):

@@ -69,7 +69,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"wrote {args.dest}")
         return 0
     except EntryError as err:
-        return fail([f"{args.action}: {err}"])
+        return fail([f"{args.action}: {err.path}: {p}" for p in err.problems])
     except (OSError, ValueError) as err:
         return fail([f"{args.action}: {err}"])
 

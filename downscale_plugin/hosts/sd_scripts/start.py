@@ -28,7 +28,8 @@ import json
 from typing import Any
 
 from ...arch import get_arch
-from ...config import DownscaleConfig, foreign_windows
+from ...certify_config import foreign_windows
+from ...config import DownscaleConfig
 from ...plan import Plan, format_plan, plan_table
 from ...rng import accelerator_devices, plugin_logger
 from ...router import RouteDecision, Router
@@ -141,7 +142,7 @@ def routing(
 
 
 def check_windows(cfg: DownscaleConfig, model: str | None, arch: str, buckets: DatasetBuckets) -> None:
-    """Windows certified for another model, arch or tier (``config.foreign_windows``) stop the run,
+    """Windows certified for another model, arch or tier (``certify_config.foreign_windows``) stop the run,
     naming each mismatch, unless ``windows_foreign = "warn"``, which logs them."""
     problems = foreign_windows(cfg.windows, model, arch, buckets.latent_buckets, cfg.tier_tolerance)
     if problems and cfg.windows.foreign == "error":

@@ -40,11 +40,11 @@ if [[ "$SMOKE" == "--cpu-smoke" ]]; then
     export OMP_NUM_THREADS=1 MKL_NUM_THREADS=1
     PRODUCTION=(--device cpu --dtype fp32 --archs anima --px 128 --warmup 0 --reps 1 --threads 1)
     RNG=(--device cpu --dtype fp32 --arch anima --px 128 --steps 2 --threads 1)
-    MEMORY=(--device cpu --params 200000 --probes 4,8 --bins 2,4 --threads 1)
+    MEMORY=(--device cpu --params 200000 --probes 8,16 --bins 2,4 --threads 1)
 else
     PRODUCTION=(--device cuda --dtype bf16 --full_depth)
     RNG=(--device cuda --dtype bf16 --arch flux --px 1024 --steps 3)
-    MEMORY=(--device cuda --params 20000000 --probes 4,8 --bins 2,4)
+    MEMORY=(--device cuda --params 20000000 --probes 8,16 --bins 2,4)
 fi
 
 FAILED=0

@@ -34,6 +34,7 @@ SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at 
 POSITIONS = ("plain", "interpolate")  # position ids of a routed step (fasterdit.positions)
 MODES = ("train", "map", "auto")  # map: the full gradient map in the run; auto: certify windows in the run and train with them (mapping/)
 AFTER_MAP = ("stop", "train")
+HOST_CHECKS = ("error", "warn")  # the drift self-check's findings (hosts/kohya/selfcheck.py): refuse, or log, record and train on
 VAE_ARM_KEYS = ("map_reenc", "map_pixel")  # the map's VAE arms (mapping/arms.py: reenc, pixel_<r>); the host must drive its VAE
 DEFAULT_MAP_RATIOS = (0.875, 0.75, 0.5)
 SPAN_MODES = ("early", "late", "spread")
@@ -299,6 +300,7 @@ class DownscaleConfig:
     tier_tolerance: float = _key(0.1, "float", (0.0, 0.5), "a bucket is in tier E when √(W·H) is within this fraction of E")
     arch: str | None = _key(None, "enum", ARCH_NAMES, "the architecture (default: detected from the trainer)")
     inner: str | None = _key(None, "str", help="inner network module (default: the trainer's own LoRA module)")
+    host_check: str = _key("error", "enum", HOST_CHECKS, "a host function the drift self-check finds changed or uncallable: error, or warn")
     fasterdit: FasterDitConfig = _group("", FasterDitConfig)
     mode: str = _key(
         "train",

@@ -58,3 +58,14 @@ def test_nested_settings_take_flat_keys_and_check_themselves():
         MapConfig(draws=1)
     with pytest.raises(ConfigError, match="positions: 'near' is not allowed"):
         FasterDitConfig(positions="near")
+
+
+def test_host_check_defaults_to_error_takes_warn_and_names_its_values_on_a_bad_one():
+    routed = {"routes": [{"scale": 0.5, "sigma_min": 0.9}]}
+    assert load_config(table=routed).host_check == "error"
+    assert load_config({"host_check": "warn"}, table=routed).host_check == "warn"
+    with pytest.raises(ConfigError) as raised:
+        load_config({"host_check": "ignore"}, table={"host_check": "off"})
+    text = str(raised.value)
+    assert "ds_host_check: 'ignore' is not allowed (allowed: error, warn)" in text
+    assert "host_check: 'off' is not allowed (allowed: error, warn)" in text

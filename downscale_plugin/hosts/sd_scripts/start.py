@@ -24,6 +24,7 @@ collective would deadlock), and only the main process logs.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ...arch import get_arch
@@ -35,6 +36,7 @@ from ...scope import Patches
 from ...text import fasterdit_text, route_rows
 from ..kohya.conventions import model_identity, plugin_config
 from ..kohya.run import DownscaleRun, Routing, shared_seed, show, version
+from ..kohya.selfcheck import METADATA_KEY
 from .buckets import DatasetBuckets, dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
 from .families import SamplerFamily
@@ -167,7 +169,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         )
     family = make_family(record)
     # The host's functions against what the plugin re-implements (selfcheck.py); the startup check ran it before the models loaded.
-    refuse_host_drift(ctx.trainer, family, args, arch if cfg.fasterdit.positions == "interpolate" else None)
+    drift = refuse_host_drift(ctx.trainer, family, args, arch if cfg.fasterdit.positions == "interpolate" else None, cfg.host_check)
     options = step_options(cfg, record)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
@@ -178,6 +180,8 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     check_windows(cfg, model_identity(args), arch, buckets)
     resume = HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: run.host_state)
     run = DownscaleRun(cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets, resume), read_host_state)
+    if drift:  # host_check = "warn": the run trains on, and its LoRA says on what
+        run.extra_metadata[METADATA_KEY] = json.dumps(drift)
     router, plan = run.router, run.plan
     session = None
     if cfg.mode == "map":

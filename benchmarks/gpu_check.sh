@@ -102,7 +102,7 @@ if [[ "$SMOKE" == "--cpu-smoke" ]]; then
     DTYPE=$([[ "$BF16_CPU" == 1 ]] && echo bf16 || echo fp32)
     PRODUCTION=(--device cpu --dtype "$DTYPE" --archs sd3,anima,lumina,flux --px 128 --warmup 0 --reps 1 --threads 1)
     RNG=(--device cpu --dtype "$DTYPE" --arch flux --px 128 --steps 2 --threads 1)
-    MEMORY=(--device cpu --params 200000 --probes 4,8 --bins 2,4 --threads 1)
+    MEMORY=(--device cpu --params 200000 --probes 8,16 --bins 2,4 --threads 1)
 else
     if [[ "$DEVICE" == "-" ]]; then
         echo "$0: torch $TORCH at $PY sees no CUDA device (on a CPU: --cpu-smoke)" >&2
@@ -111,7 +111,7 @@ else
     DTYPE=bf16
     PRODUCTION=(--device cuda --dtype bf16 --full_depth)
     RNG=(--device cuda --dtype bf16 --arch flux --px 1024 --steps 3)
-    MEMORY=(--device cuda --params 20000000 --probes 4,8 --bins 2,4)
+    MEMORY=(--device cuda --params 20000000 --probes 8,16 --bins 2,4)
 fi
 
 part() {  # NAME SCRIPT ARGS...: run one check, log it, record its status

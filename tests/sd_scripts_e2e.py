@@ -21,7 +21,11 @@ real loader reads a tiny checkpoint written here. Tokenizers are built locally (
 After training it checks the saved LoRA: the inner module loads it, and its metadata carries the
 ``ss_downscale_*`` keys. ``map-stop`` / ``map-train`` run the plugin with ``mode = "map"`` instead of
 routes: the map's files must be written, ``stop`` must end the script with exit 0 and no weights,
-``train`` must save a LoRA routed by the derived windows. ``auto`` runs ``mode = "auto"`` (set
+``train`` must save a LoRA routed by the derived windows. The map reads its first ``E2E_MAP_IMAGES`` samples (2 by
+default); a window needs at least 8 (the family-wise, heavy-tail calibrated safe read has no finite critical value
+below that: ``mapping/safe_read.py``), so ``map-train`` wants ``E2E_MAP_IMAGES=8 E2E_IMAGES=8 E2E_REPEATS=1`` and
+``E2E_STEPS`` well above 8: a repeat is no probe, and the host's data order can repeat an image within an epoch (at
+seed 42 the eighth distinct image of the Flux run comes at batch 12). ``auto`` runs ``mode = "auto"`` (set
 ``E2E_STEPS`` ≥ 16: the certifier's probes are the first 16 samples): ``windows.toml`` and
 ``certify.json`` must be written, with the model's identity, and the LoRA routed by the certified
 windows must record them (``ss_downscale_map``). ``record`` passes the arguments after it
@@ -77,6 +81,7 @@ from safetensors.torch import load_file, save_file
 
 STEPS = int(os.environ.get("E2E_STEPS", 8))
 IMAGES = int(os.environ.get("E2E_IMAGES", 2))
+MAP_IMAGES = int(os.environ.get("E2E_MAP_IMAGES", 2))  # the map's probes (distinct images; batch size 1)
 REPEATS = int(os.environ.get("E2E_REPEATS", 4))
 IMAGE_WH = tuple(int(x) for x in os.environ.get("E2E_IMAGE_WH", "128x128").split("x"))  # the images' (W, H) in px
 DEFAULT_ROUTES = """
@@ -103,8 +108,8 @@ map_out = "{out}"
 map_ratios = [0.5]                # 16x16 latents: the 8x8 route
 map_bins = "0,0.5,1"              # two bins and σ = 1
 map_draws = 4
-map_images = 2                    # the run's first two samples (batch size 1: the map runs before batch 2)
-map_margin = 0.99                 # a loose margin, so that a window is found and after_map = "train" routes
+map_images = {images}             # the run's first samples (MAP_IMAGES)
+map_margin = 0.99                 # a loose margin, so that with 8 probes a window is found and after_map = "train" routes
 map_reenc = true                  # the VAE arms, on the run's own AutoEncoder
 map_pixel = true
 """
@@ -549,7 +554,9 @@ def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
         return main_ranks(work, inner, models, host_argv)
     script, config, inner, models = SETUPS[arch](work, write_images(work))
     if mode.startswith("map-"):
-        config.write_text(config.read_text().replace(ROUTES, MAP.format(after=mode.removeprefix("map-"), out=work / "map")))
+        config.write_text(
+            config.read_text().replace(ROUTES, MAP.format(after=mode.removeprefix("map-"), out=work / "map", images=MAP_IMAGES))
+        )
     if mode == "auto":
         config.write_text(config.read_text().replace(ROUTES, AUTO.format(out=work / "map")))
     sys.argv = [script, "--config_file", str(config), *host_argv]
@@ -577,8 +584,9 @@ def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
     counts = json.loads(meta["ss_downscale_counts"])
     if mode == "map-train":
         windows = check_map(work)
+        assert "routes" in windows, f"the map certified no window, the run trained native: {windows}"
         assert json.loads(meta["ss_downscale_routes"]) == windows["routes"], meta
-        assert json.loads(meta["ss_downscale_map"])["before_train_batch"] == 2, meta
+        assert MAP_IMAGES <= json.loads(meta["ss_downscale_map"])["before_train_batch"] < STEPS, meta  # routed steps follow
     if mode == "auto":
         check_auto(work, meta)
     assert meta["ss_network_module"] == "downscale_plugin" and meta["ss_downscale_inner"] == inner, meta

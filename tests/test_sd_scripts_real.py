@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -30,6 +31,7 @@ from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
+import toml
 import torch
 from host_copies import host_copy, startup_env
 from host_modules import host_modules
@@ -543,10 +545,10 @@ def test_banner_tables_stay_tables_under_the_hosts_logging_setup(capsys):
     assert "test table printed" in err and "FLOPs saved" not in err, err
 
 
-def end_to_end(arch: str, work: Path, mode: str = "train") -> str:
-    """Run ``tests/sd_scripts_e2e.py`` (the real script's ``__main__`` path); its log, whitespace collapsed
-    (the host logs through rich, which pads lines)."""
-    env = {**os.environ, "COLUMNS": "1000"}  # unwrapped log lines
+def end_to_end(arch: str, work: Path, mode: str = "train", **e2e_env: str) -> str:
+    """Run ``tests/sd_scripts_e2e.py`` (the real script's ``__main__`` path, ``e2e_env``: its ``E2E_*`` settings); its
+    log, whitespace collapsed (the host logs through rich, which pads lines)."""
+    env = {**os.environ, "COLUMNS": "1000", **e2e_env}  # unwrapped log lines
     proc = subprocess.run(
         [sys.executable, str(HERE / "sd_scripts_e2e.py"), arch, str(work), mode],
         cwd=SD_SCRIPTS_DIR,
@@ -574,12 +576,23 @@ def test_map_mode_in_the_real_training_script(arch, after_map, tmp_path):
     script ends (exit 0, no weights) or trains with the derived windows (the e2e script checks both).
     map_reenc / map_pixel run the VAE arms on the run's own real VAE class (Flux's tiny AutoEncoder,
     SD3's full-size SDVAE with random weights)."""
-    log = end_to_end(arch, tmp_path, f"map-{after_map}")
-    assert "gradient map before train batch 2" in log and (tmp_path / "map" / "windows.toml").is_file()
+    e2e_env = {}
+    if after_map == "train":  # 8 probes (fewer certify nothing at the family-wise calibrated read) of 8 distinct images
+        e2e_env = {"E2E_MAP_IMAGES": "8", "E2E_IMAGES": "8", "E2E_REPEATS": "1", "E2E_STEPS": "16"}
+    log = end_to_end(arch, tmp_path, f"map-{after_map}", **e2e_env)
+    found = re.search(r"gradient map before train batch (\d+)", log)
+    assert found, log[-4000:]
+    batch = int(found[1])  # a repeated image is no probe: the map may come after batch 8, and routed steps must follow
+    assert (batch == 2) if after_map == "stop" else (8 <= batch < 16), batch
     rows = list(csv.DictReader((tmp_path / "map" / "map.csv").open()))
     assert sorted({r["arm"] for r in rows}) == ["latent_0.5", "pixel_0.5", "reenc"] and all(math.isfinite(float(r["excess"])) for r in rows)
-    done = "ending the run before training batch 2 (no weights saved)" if after_map == "stop" else "training continues from batch 2"
-    assert done in log
+    windows = (tmp_path / "map" / "windows.toml").read_text()
+    if after_map == "stop":  # 2 probes: no safe window, and the file says so (the plugin disabled)
+        assert "routes" not in toml.loads(windows) and toml.loads(windows)["enable"] is False, windows
+        assert "# no route has a safe window at this margin: the plugin is disabled" in windows
+        assert f"ending the run before training batch {batch} (no weights saved)" in log
+    else:
+        assert toml.loads(windows)["routes"] and f"training continues from batch {batch} with the derived windows" in log
 
 
 # -- drift on copies of the real checkout: an added option passes, a changed formula stops the script ----------

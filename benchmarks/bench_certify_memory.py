@@ -6,7 +6,9 @@ the route's grid when routed, noised with the step's ``randn_like`` noise (so th
 pooled to 4×4, projected to the width by a frozen matrix, then through the LoRA stack; the loss is
 the distance to half the clean latent's features (the noise is weak, so every bin ends safe). ``BackendDraws`` and ``run_certify`` run on it as on
 a host's backend (routes 0.875 and 0.75, D draws, a margin every bin passes, so the search visits all
-bins and every probe of each).
+bins and every probe of each). At least 8 probes: below that the heavy-tail calibrated safe read has no finite
+critical value at this margin (``safe_read.safe_quantile`` at 4 probes and ε = 0.99 is +inf), so nothing
+certifies and the search stops at its first bins.
 
 Each setting (probe count × bin count) runs in its own process: the host figure is the peak resident
 set during the certification (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; where
@@ -150,7 +152,7 @@ def main() -> int:
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="fp32", choices=("fp32", "bf16"), help="the adapter's dtype")
     parser.add_argument("--params", type=int, default=20_000_000, help="adapter parameters (at least; whole LoRA pairs)")
-    parser.add_argument("--probes", default="4,8", help="probe counts (the last look; the first look is half)")
+    parser.add_argument("--probes", default="8,16", help="probe counts (the last look; the first look is half)")
     parser.add_argument("--bins", default="2,4", help="σ bin counts")
     parser.add_argument("--draws", type=int, default=2)
     parser.add_argument("--threads", type=int, help="torch intra-op threads")

@@ -67,6 +67,7 @@ ROUTES = {
 TARGET_REALIZED = 0.95  # realized saving ≥ 95 % of the predicted one at B = 1
 TARGET_OVERHEAD = 0.005  # nothing routes: ≤ 0.5 % of the native step
 TARGET_ERROR = 0.03  # |predicted − measured relative cost| ≤ 3 % of the native step
+MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16"}  # sd-scripts' --mixed_precision for each step dtype
 SD3_X_ATTN_BLOCKS = 13  # SD3.5-Medium's first 13 joint blocks carry the extra image self-attention (MMDiT-X)
 
 
@@ -192,13 +193,17 @@ def fake_accelerator(device: torch.device, dtype: torch.dtype) -> MagicMock:
     return acc
 
 
-def train(self: Any, args: Any, accelerator: Any, network: Any) -> None:
-    """Stands in for ``NetworkTrainer.train``'s frame, where the plugin's ``start`` finds the trainer."""
+def train(self: Any, args: Any, accelerator: Any, network: Any) -> str:
+    """Stands in for ``NetworkTrainer.train``'s frame, where the plugin's ``start`` finds the trainer and its
+    ``weight_dtype``, set as the host sets it (``train_util.prepare_dtype`` of ``--mixed_precision``); returns
+    the weight dtype the plugin reads from this frame."""
     from downscale_plugin.hosts.sd_scripts.start import start
+    from downscale_plugin.hosts.sd_scripts.trainer import find_trainer
 
     current_step = Value("i", 0)  # noqa: F841 (read by the plugin from this frame)
-    weight_dtype = torch.float32  # noqa: F841
+    weight_dtype, _ = _module("library.train_util").prepare_dtype(args)  # noqa: F841
     start(network, SCRIPTS[self.arch][2], {}, args)
+    return str(find_trainer().weight_dtype)
 
 
 @dataclass
@@ -227,11 +232,13 @@ class Bench:
     latent_side: int = 0
     clock: Callable[[], float] = time.perf_counter
     checkpointing: bool = False
+    weight_dtype: str = ""  # what the plugin read from the trainer's frame (``train``)
 
     def setup(self) -> None:
         script, cls, inner = SCRIPTS[self.arch]
         module = _module(script)
         argv = ["--network_module", "downscale_plugin", "--network_dim", str(self.rank), "--seed", "0"]
+        argv += ["--mixed_precision", MIXED_PRECISION[self.dtype]]  # the host's weight_dtype is the steps' dtype
         argv += ["--gradient_checkpointing"] if self.checkpointing else []
         for key, value in self.size.text.items():
             argv += [f"--{key}", str(value)]
@@ -254,7 +261,7 @@ class Bench:
             args = copy.deepcopy(base_args)
             if name != "native":
                 args.downscale = ROUTES[name]
-                train(trainer, args, acc, self.network)
+                self.weight_dtype = train(trainer, args, acc, self.network)
             self.arms.append(Arm(name, trainer, args))
         self.scheduler = self.arms[0].trainer.get_noise_scheduler(base_args, self.device)
         self.encoding = self.arms[0].trainer.get_text_encoding_strategy(base_args) if self.arch == "anima" else None
@@ -340,6 +347,7 @@ def summarize(bench: Bench) -> dict:
         "median_s": med,
         "times_s": {arm.name: arm.times for arm in bench.arms},
         "image_tokens": {"native": n_native},
+        "weight_dtype": bench.weight_dtype,
     }
     routes = {}
     for name in ("r0.875", "r0.75"):

@@ -19,6 +19,7 @@ COMMAND_MODULES = (
     "downscale_plugin.hosts.kohya.ttq",
     "downscale_plugin.mapping.cli",
     "downscale_plugin.mapping.certify_cli",
+    "downscale_plugin.mapping.reuse_cli",
     "downscale_plugin.hosts.lab.certify",
     "downscale_plugin.fasterdit.cli",
 )

@@ -258,7 +258,8 @@ def _run_check(args: argparse.Namespace) -> int:
         print(
             f"  mode auto: map_out {cfg.map.out}, ratios {', '.join(f'{r:g}' for r in cfg.map.ratios)}, bins {cfg.map.bins}, "
             f"margin {cfg.map.margin:g}, certify_budget {c.budget:g} of the run's native compute, draws {c.draws}, "
-            f"spot_checks {c.spot_checks}, unpaid {c.unpaid}{f', resume {c.resume}' if c.resume else ''}; the routes come from the certifier"
+            f"spot_checks {c.spot_checks}, unpaid {c.unpaid}{f', resume {c.resume}' if c.resume else ''}, windows cache {c.reuse}"
+            f"{f' ({c.cache})' if c.cache else ''}; the routes come from the certifier, or the cache when it holds this run's key"
             + ("" if c.budget > 0 else " (budget 0: none; the run trains native)")
         )
     else:

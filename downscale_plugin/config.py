@@ -11,13 +11,13 @@ Sources, highest precedence first:
 
 A higher source replaces a lower one key by key; ``routes`` is replaced as a whole list.
 Every problem is collected and raised at once in :class:`ConfigError`, naming the key, the value
-and what is allowed, before any model is loaded.
+and what is allowed, before any model is loaded. Each key's kind, allowed values and help are its
+field's (``schema.setting``); the in-run measurements' key groups (``map_*``, ``certify_*``,
+``windows_*``) and which keys go with which ``mode`` are ``certify_config.py``'s.
 """
 
 from __future__ import annotations
 
-import difflib
-import math
 import os
 import random
 from collections.abc import Mapping, Sequence
@@ -27,16 +27,15 @@ from typing import Any
 import toml
 
 from .arch import ARCH_NAMES
-from .bins import DEFAULT_BINS, parse_bins
+from .certify_config import VAE_ARM_KEYS, CertifyConfig, MapConfig, WindowsProvenance, mode_problems
+from .schema import ConfigError, check_fields, check_scalar, is_number, setting, suggest
 
 GATES = ("coupled", "strict")
 SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at (fasterdit.policies)
 POSITIONS = ("plain", "interpolate")  # position ids of a routed step (fasterdit.positions)
-CERTIFY_UNPAID = ("skip", "refuse", "buy")  # certify_unpaid: what an auto run does with evidence it cannot pay back
 MODES = ("train", "map", "auto")  # map: the full gradient map in the run; auto: certify windows in the run and train with them (mapping/)
 AFTER_MAP = ("stop", "train")
-VAE_ARM_KEYS = ("map_reenc", "map_pixel")  # the map's VAE arms (mapping/arms.py: reenc, pixel_<r>); the host must drive its VAE
-DEFAULT_MAP_RATIOS = (0.875, 0.75, 0.5)
+HOST_CHECKS = ("error", "warn")  # the drift self-check's findings (hosts/kohya/selfcheck.py): refuse, or log, record and train on
 SPAN_MODES = ("early", "late", "spread")
 NETWORK_ARGS_PREFIX = "ds_"
 UNPREFIXED_NETWORK_ARGS = ("inner", "downscale_config")
@@ -47,14 +46,6 @@ def require_gate(gate: str) -> None:
     """The one check of a gate name for code that takes it directly (the router, ``plan``)."""
     if gate not in GATES:
         raise ValueError(f"gate: {gate!r} is not allowed (allowed: {', '.join(GATES)})")
-
-
-class ConfigError(ValueError):
-    """One or more configuration problems, each naming the offending key."""
-
-    def __init__(self, problems: Sequence[str]):
-        self.problems = list(problems)
-        super().__init__("downscale_plugin config:\n  - " + "\n  - ".join(self.problems))
 
 
 @dataclass(frozen=True)
@@ -125,111 +116,17 @@ class RouteRule:
         return f"({self.sigma_min:g}, {hi}"
 
 
-def _key(default: Any, kind: str, allowed: Any = None, help: str = "") -> Any:
-    """A config field that carries its own schema: how a value is parsed and checked, and what it means."""
-    return field(default=default, metadata={"kind": kind, "allowed": allowed, "help": help})
-
-
-def _check_fields(obj: Any) -> None:
-    """Check a directly built settings object against its fields' schema (``load_config`` checks
-    every source the same way, collecting the problems); ``None`` is an unset optional key."""
-    problems: list[str] = []
-    for f in fields(obj):
-        value = getattr(obj, f.name)
-        if "kind" in f.metadata and value is not None:
-            _check_scalar(f.name, f.metadata["kind"], f.metadata["allowed"], value, problems)
-    if problems:
-        raise ConfigError(problems)
-
-
-@dataclass(frozen=True)
-class MapConfig:
-    """The in-run gradient map's settings (``mode = "map"``, mapping/); TOML key = ``map_`` + field."""
-
-    ratios: tuple[float, ...] = _key(DEFAULT_MAP_RATIOS, "ratios", help="the map's linear ratios")
-    bins: str = _key(DEFAULT_BINS, "bins", help="the map's σ bins")
-    draws: int = _key(8, "int", (2, 4096), "noise draws per arm and bin (even)")
-    images: int = _key(8, "int", (2, None), "probe samples from the run's first batches")
-    margin: float = _key(0.05, "float", (0.0, 1.0), "the margin ε a safe bin's upper bound must stay below")
-    simultaneous: bool = _key(False, "bool", help="Bonferroni over every (route, bin) instead of chains from σ = 1 down (both family-wise)")
-    out: str | None = _key(None, "str", help="directory for the map's files")
-    reenc: bool = _key(False, "bool", help="add the VAE re-encode control arm")
-    pixel: bool = _key(False, "bool", help="add the pixel-downscale-then-encode arms")
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-@dataclass(frozen=True)
-class CertifyConfig:
-    """The in-run certifier's settings (``mode = "auto"``, mapping/certify.py); TOML key = ``certify_`` + field.
-    Routes, bins, ε and the output directory are the map's keys (``map_ratios``, ``map_bins``, ``map_margin``, ``map_out``)."""
-
-    budget: float = _key(
-        0.1, "float_closed", (0.0, 0.5), "probe passes at most, as a fraction of the run's native compute (0: no probes, a plain run)"
-    )
-    draws: int = _key(4, "int", (2, 64), "paired noise draws per (probe, σ bin)")
-    spot_checks: int = _key(
-        0,
-        "int",
-        (0, 16),
-        "bins tested below each route's edge after the search: a σ-monotonicity check that spends budget and never opens a window",
-    )
-    resume: str | None = _key(None, "str", help="a certify.json of an earlier run on the same model: its evidence is continued, not redone")
-    unpaid: str = _key(
-        "skip",
-        "enum",
-        CERTIFY_UNPAID,
-        "evidence this run cannot pay back (docs/FIDELITY.md §9.4): skip (not bought; a run where no test can pay trains native), "
-        "refuse (stop at start when no test can pay), buy (certify within the budget anyway: windows for later runs)",
-    )
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
 @dataclass(frozen=True)
 class FasterDitConfig:
     """FasterDiT's options on routed and native steps (fasterdit/); TOML key = field name."""
 
-    direction_loss_weight: float = _key(0.0, "float_min", 0.0, "FasterDiT's direction-loss λ (0: off)")
-    direction_loss_only_routed: bool = _key(False, "bool", help="add the direction term only on routed steps")
-    sigma_policy: str = _key("keep", "enum", SIGMA_POLICIES, "σ a routed step runs at")
-    positions: str = _key("plain", "enum", POSITIONS, "position ids of a routed step")
+    direction_loss_weight: float = setting(0.0, "float_min", 0.0, "FasterDiT's direction-loss λ (0: off)")
+    direction_loss_only_routed: bool = setting(False, "bool", help="add the direction term only on routed steps")
+    sigma_policy: str = setting("keep", "enum", SIGMA_POLICIES, "σ a routed step runs at")
+    positions: str = setting("plain", "enum", POSITIONS, "position ids of a routed step")
 
     def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-FOREIGN = ("error", "warn")
-
-
-@dataclass(frozen=True)
-class WindowsProvenance:
-    """Where a windows file's verdicts were measured; ``map`` and ``certify`` write these keys into the
-    windows TOML they emit (TOML key = ``windows_`` + field). A host that knows its model, arch and
-    native tier refuses windows certified for another (:func:`foreign_windows`) unless
-    ``windows_foreign = "warn"``: a window is evidence about one model at one grid, not a preset."""
-
-    model: str | None = _key(
-        None, "str", help="identity of the base model the windows were certified on (the host's model hash, or a file hash)"
-    )
-    arch: str | None = _key(None, "enum", ARCH_NAMES, "the architecture the windows were certified on")
-    native: str | None = _key(None, "str", help='the probes\' native latent grid "HxW" (its tier)')
-    margin: float | None = _key(None, "float", (0.0, 1.0), "the margin ε the windows were certified at")
-    method: str | None = _key(None, "str", help="how they were certified: map or certify, with its settings")
-    images: int | None = _key(None, "int", (1, None), "probe images behind the verdicts")
-    version: str | None = _key(None, "str", help="the plugin version that wrote them")
-    date: str | None = _key(None, "str", help="when they were written (UTC)")
-    foreign: str = _key("error", "enum", FOREIGN, "windows certified for another model, arch or tier: error, or warn and use them")
-
-    def __post_init__(self) -> None:
-        _check_fields(self)
-
-
-def _latent_hw(text: str) -> tuple[int, int] | None:
-    h, sep, w = text.lower().partition("x")
-    return (int(h), int(w)) if sep and h.isdigit() and w.isdigit() else None
+        check_fields(self)
 
 
 def vae_arm_problems(cfg: DownscaleConfig, arch: str, supported: Sequence[str]) -> list[str]:
@@ -268,56 +165,37 @@ def package_problems(cfg: DownscaleConfig) -> list[str]:
     return [f'mode = "{cfg.mode}" needs {", ".join(missing)}, not installed: pip install "downscale-plugin[{MODE_EXTRA}]"']
 
 
-def foreign_windows(
-    windows: WindowsProvenance, model: str | None, arch: str, latent_buckets: Sequence[tuple[int, int]], tier_tolerance: float
-) -> list[str]:
-    """Each recorded provenance key this run differs on, naming both sides: ``windows_model`` (when
-    the host can identify its model), ``windows_arch``, and ``windows_native`` (no bucket of the run is
-    in the certified grid's tier: √(h·w) within ``tier_tolerance``)."""
-    problems = []
-    if windows.model is not None and model is not None and windows.model != model:
-        problems.append(f"windows_model: the windows were certified on model {windows.model!r}, this run's model is {model!r}")
-    if windows.arch is not None and windows.arch != arch:
-        problems.append(f"windows_arch: the windows were certified on {windows.arch!r}, this run is {arch!r}")
-    native = _latent_hw(windows.native) if windows.native else None
-    if native is not None and latent_buckets:
-        edge = math.sqrt(native[0] * native[1])
-        if not any(abs(math.sqrt(h * w) / edge - 1.0) <= tier_tolerance for h, w in latent_buckets):
-            grids = ", ".join(f"{h}x{w}" for h, w in sorted(set(latent_buckets)))
-            problems.append(
-                f"windows_native: the windows were certified at latent {windows.native}, no bucket of this run is in its tier ({grids})"
-            )
-    return problems
-
-
-def _group(prefix: str, settings: type) -> Any:
-    """A nested settings field whose keys stay flat in every source: ``prefix`` + the field's name."""
-    return field(default_factory=settings, metadata={"group": prefix})
+def _group(settings: type) -> Any:
+    """A nested settings field whose keys stay flat in every source: the group's ``prefix`` + the field's name."""
+    return field(default_factory=settings, metadata={"group": getattr(settings, "prefix", "")})
 
 
 @dataclass(frozen=True)
 class DownscaleConfig:
     """The plugin's settings; each field's metadata is its key's schema (kind, allowed values, help)."""
 
-    enable: bool = _key(True, "bool", help="turn the plugin off without removing the config")
-    gate: str = _key("coupled", "enum", GATES, "coupled: exact σ marginal at any batch size; strict: every σ in the window")
-    routes: tuple[RouteRule, ...] = _key((), "routes", help="router rules in priority order")
-    seed: int | None = _key(None, "int", (0, None), "seeds the coupled gate's per-step draws (default: the run's --seed)")
-    max_tries: int = _key(8, "int", (1, 64), "rejection rounds of the coupled gate before the rest is drawn directly")
-    tier_tolerance: float = _key(0.1, "float", (0.0, 0.5), "a bucket is in tier E when √(W·H) is within this fraction of E")
-    arch: str | None = _key(None, "enum", ARCH_NAMES, "the architecture (default: detected from the trainer)")
-    inner: str | None = _key(None, "str", help="inner network module (default: the trainer's own LoRA module)")
-    fasterdit: FasterDitConfig = _group("", FasterDitConfig)
-    mode: str = _key(
+    enable: bool = setting(True, "bool", help="turn the plugin off without removing the config")
+    gate: str = setting("coupled", "enum", GATES, "coupled: exact σ marginal at any batch size; strict: every σ in the window")
+    routes: tuple[RouteRule, ...] = setting((), "routes", help="router rules in priority order")
+    seed: int | None = setting(None, "int", (0, None), "seeds the coupled gate's per-step draws (default: the run's --seed)")
+    max_tries: int = setting(8, "int", (1, 64), "rejection rounds of the coupled gate before the rest is drawn directly")
+    tier_tolerance: float = setting(0.1, "float", (0.0, 0.5), "a bucket is in tier E when √(W·H) is within this fraction of E")
+    arch: str | None = setting(None, "enum", ARCH_NAMES, "the architecture (default: detected from the trainer)")
+    inner: str | None = setting(None, "str", help="inner network module (default: the trainer's own LoRA module)")
+    host_check: str = setting(
+        "error", "enum", HOST_CHECKS, "a host function the drift self-check finds changed or uncallable: error, or warn"
+    )
+    fasterdit: FasterDitConfig = _group(FasterDitConfig)
+    mode: str = setting(
         "train",
         "enum",
         MODES,
         "map: measure the gradient map in this run and derive the windows; auto: certify windows in the run and train with them",
     )
-    after_map: str = _key("stop", "enum", AFTER_MAP, "after the map: stop, or train on with the derived windows")
-    map: MapConfig = _group("map_", MapConfig)
-    certify: CertifyConfig = _group("certify_", CertifyConfig)
-    windows: WindowsProvenance = _group("windows_", WindowsProvenance)
+    after_map: str = setting("stop", "enum", AFTER_MAP, "after the map: stop, or train on with the derived windows")
+    map: MapConfig = _group(MapConfig)
+    certify: CertifyConfig = _group(CertifyConfig)
+    windows: WindowsProvenance = _group(WindowsProvenance)
     sources: tuple[str, ...] = field(default=(), compare=False)
 
     def with_routes(self, routes: Sequence[RouteRule]) -> DownscaleConfig:
@@ -365,13 +243,8 @@ def _build(merged: Mapping[str, Any], routes: tuple[RouteRule, ...], sources: tu
     return DownscaleConfig(routes=routes, sources=sources, **top)
 
 
-def _suggest(key: str, choices: Sequence[str]) -> str:
-    close = difflib.get_close_matches(key, list(choices), n=1, cutoff=0.6)
-    return f"; did you mean {close[0]!r}?" if close else ""
-
-
 def _unknown(where: str, key: str, choices: Sequence[str]) -> str:
-    return f"{where}{key}: unknown key{_suggest(key, choices)} (allowed: {', '.join(sorted(choices))})"
+    return f"{where}{key}: unknown key{suggest(key, choices)} (allowed: {', '.join(sorted(choices))})"
 
 
 def _number_text(text: str, what: str = "") -> float:
@@ -413,72 +286,6 @@ def _is_number_text(text: str) -> bool:
     except ValueError:
         return False
     return True
-
-
-def _check_scalar(key: str, kind: str, allowed: Any, value: Any, problems: list[str]) -> Any:
-    if kind == "bool":
-        if not isinstance(value, bool):
-            problems.append(f"{key}: {value!r} must be a boolean (true or false)")
-            return None
-        return value
-    if kind == "enum":
-        if value not in allowed:
-            problems.append(f"{key}: {value!r} is not allowed (allowed: {', '.join(allowed)}){_suggest(str(value), allowed)}")
-            return None
-        return value
-    if kind == "str":
-        if not isinstance(value, str) or not value:
-            problems.append(f"{key}: {value!r} must be a non-empty string")
-            return None
-        return value
-    if kind == "int":
-        if isinstance(value, bool) or not isinstance(value, int):
-            problems.append(f"{key}: {value!r} must be an integer")
-            return None
-        lo, hi = allowed
-        if value < lo or (hi is not None and value > hi):
-            problems.append(f"{key}: {value} is out of range (allowed: {lo} to {hi if hi is not None else 'any'})")
-            return None
-        return value
-    if kind == "float":
-        if isinstance(value, bool) or not isinstance(value, (int, float)):
-            problems.append(f"{key}: {value!r} must be a number")
-            return None
-        lo, hi = allowed
-        if not lo < value < hi:
-            problems.append(f"{key}: {value} is out of range (allowed: strictly between {lo} and {hi})")
-            return None
-        return float(value)
-    if kind == "float_closed":
-        lo, hi = allowed
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not lo <= value <= hi:
-            problems.append(f"{key}: {value!r} is out of range (allowed: {lo:g} to {hi:g})")
-            return None
-        return float(value)
-    if kind == "float_min":
-        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < allowed:
-            problems.append(f"{key}: {value!r} must be a finite number >= {allowed:g}")
-            return None
-        return float(value)
-    if kind == "ratios":
-        if not isinstance(value, (list, tuple)) or not value or not all(_number(r) and 0.0 < r < 1.0 for r in value):
-            problems.append(f"{key}: {value!r} must be a non-empty list of linear ratios strictly between 0 and 1, e.g. [0.75, 0.5]")
-            return None
-        if len(set(value)) != len(value):
-            problems.append(f"{key}: {list(value)} has duplicates")
-            return None
-        return tuple(float(r) for r in value)
-    if kind == "bins":
-        if not isinstance(value, str):
-            problems.append(f"{key}: {value!r} must be a string, e.g. {DEFAULT_BINS!r}")
-            return None
-        try:
-            parse_bins(value)
-        except ValueError as err:
-            problems.append(f"{key}: {str(err).removeprefix('bins: ')}")
-            return None
-        return value
-    raise AssertionError(kind)
 
 
 def parse_span(text: str) -> Span:
@@ -555,10 +362,6 @@ def parse_routes_string(text: str) -> list[dict[str, Any]]:
     return tables
 
 
-def _number(value: Any) -> bool:
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
-
-
 def _parse_route(index: int, table: Any, is_last: bool, problems: list[str]) -> RouteRule | None:
     where = f"routes[{index}]"
     if not isinstance(table, Mapping):
@@ -583,7 +386,7 @@ def _parse_route(index: int, table: Any, is_last: bool, problems: list[str]) -> 
                 problems.append(f"{where}.route: {err}")
     else:
         scale = table["scale"]
-        if not _number(scale) or not 0.0 < scale < 1.0:
+        if not is_number(scale) or not 0.0 < scale < 1.0:
             problems.append(f"{where}.scale: {scale!r} must be a number strictly between 0 and 1 (a linear downscale ratio)")
             scale = None
         else:
@@ -592,7 +395,7 @@ def _parse_route(index: int, table: Any, is_last: bool, problems: list[str]) -> 
     hi = table.get("sigma_max")
     if lo is None:
         problems.append(f"{where}.sigma_min: required (the window is strict, sigma_min < σ < sigma_max)")
-    elif not _number(lo) or not 0.0 <= lo < 1.0:
+    elif not is_number(lo) or not 0.0 <= lo < 1.0:
         problems.append(f"{where}.sigma_min: {lo!r} must be a number in [0, 1)")
         lo = None
     if hi is None:
@@ -601,10 +404,10 @@ def _parse_route(index: int, table: Any, is_last: bool, problems: list[str]) -> 
                 f"{where}.sigma_max: required: a rule with lower-priority rules after it needs an explicit window, "
                 "otherwise it shadows them on all of (sigma_min, 1]"
             )
-    elif not _number(hi) or not 0.0 < hi <= 1.0:
+    elif not is_number(hi) or not 0.0 < hi <= 1.0:
         problems.append(f"{where}.sigma_max: {hi!r} must be a number in (0, 1]")
         hi = None
-    elif lo is not None and _number(lo) and hi <= lo:
+    elif lo is not None and is_number(lo) and hi <= lo:
         problems.append(f"{where}.sigma_max: {hi} must be greater than sigma_min ({lo}): the window ({lo}, {hi}) is empty or inverted")
     span = None
     if "span" in table:
@@ -680,7 +483,7 @@ def _normalize_source(raw: Mapping[str, Any], source: str, problems: list[str], 
             out[key] = value
             continue
         n_before = len(problems)
-        checked = _check_scalar(shown, kind, allowed, value, problems)
+        checked = check_scalar(shown, kind, allowed, value, problems)
         if len(problems) > n_before:
             problems[-1] = f"[{source}] {problems[-1]}"
             continue
@@ -705,47 +508,6 @@ def read_plugin_toml(path: str) -> dict[str, Any]:
         return toml.load(path)
     except toml.TomlDecodeError as err:
         raise ConfigError([f"downscale_config: {path} is not valid TOML: {err}"]) from None
-
-
-AUTO_UNUSED = ("map_draws", "map_images", "map_simultaneous", "after_map")  # the full map's own settings; auto's are certify_*
-
-
-def _mode_problems(merged: Mapping[str, Any], has_routes: bool, rejected: set[str]) -> list[str]:
-    """Keys that only make sense with one ``mode`` (the map's with ``map``, the certifier's with
-    ``auto``, both measure the windows themselves); ``rejected`` keys are already reported."""
-    problems = []
-    mode = merged.get("mode", "train")
-    if merged.get("map_draws", 0) % 2:
-        problems.append(f"map_draws: {merged['map_draws']} must be even (the self-floor splits the D draws into two equal halves)")
-    if mode != "map":
-        problems += [f'{key}: true is only allowed with mode = "map" (a VAE arm of the map)' for key in VAE_ARM_KEYS if merged.get(key)]
-    if mode != "auto":
-        problems += [
-            f'{key}: only used with mode = "auto" (the in-run certifier); remove it or set mode = "auto"'
-            for key in merged
-            if key.startswith("certify_")
-        ]
-    if mode == "train":
-        return problems
-    if mode == "auto":
-        problems += [
-            f'{key}: not used with mode = "auto" (the certifier draws certify_draws per probe, reads its bounds at 4, 8 and 16 probes '
-            "and always trains on with what it certified); remove it"
-            for key in AUTO_UNUSED
-            if key in merged
-        ]
-    outputs = "windows.toml, certify.json" if mode == "auto" else "windows.toml, map.csv, map.json, map.png"
-    if not merged.get("map_out") and "map_out" not in rejected:
-        problems.append(f'map_out: required when mode = "{mode}" (the directory it writes {outputs} into)')
-    if has_routes:
-        problems.append(f'routes: not used when mode = "{mode}": the run derives the windows itself; remove routes or set mode = "train"')
-    for key, plain in (("sigma_policy", "keep"), ("positions", "plain")):
-        if merged.get(key, plain) != plain:
-            problems.append(
-                f'{key}: {merged[key]!r} is not allowed with mode = "{mode}" (allowed: {plain!r}): the in-run measurement covers the '
-                "router's plain routes; compare σ policies and positions with the lab map"
-            )
-    return problems
 
 
 def load_config(
@@ -804,7 +566,7 @@ def load_config(
             'routes: at least one route is required while enable = true, mode = "train" and direction_loss_weight = 0 '
             '(e.g. route = "1024:768", sigma_min = 0.65, sigma_max = 0.95)'
         )
-    problems += _mode_problems(merged, bool(raw_routes), rejected)
+    problems += mode_problems(merged, bool(raw_routes), rejected)
     if problems:
         raise ConfigError(problems)
     return _build(merged, tuple(rules), tuple(sources))

@@ -1,6 +1,7 @@
 """Fixtures shared by the test modules that run the plugin inside the sd-scripts host doubles, and the run's torch threads.
 
-Not autouse: a module opts in with ``pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")``.
+Not autouse: a module opts in with ``pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan")``; only the
+windows cache is redirected for every test (:func:`windows_cache`).
 """
 
 from __future__ import annotations
@@ -16,6 +17,15 @@ def pytest_configure(config):
     """One torch thread for the whole run: every model here is tiny, and beside another CPU-bound job torch's threads
     spin waiting for each other (the lab's auto test took 277 s instead of 4 beside other jobs on 2 cores)."""
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def windows_cache(tmp_path_factory, monkeypatch):
+    """``mode = "auto"`` stores certified windows in a user cache (mapping/reuse.py): every test gets its own, never
+    the user's; subprocesses inherit it."""
+    folder = tmp_path_factory.mktemp("windows_cache")
+    monkeypatch.setenv("DOWNSCALE_PLUGIN_CACHE", str(folder))
+    return folder
 
 
 @pytest.fixture(scope="module")

@@ -21,14 +21,18 @@ real loader reads a tiny checkpoint written here. Tokenizers are built locally (
 After training it checks the saved LoRA: the inner module loads it, and its metadata carries the
 ``ss_downscale_*`` keys. ``map-stop`` / ``map-train`` run the plugin with ``mode = "map"`` instead of
 routes: the map's files must be written, ``stop`` must end the script with exit 0 and no weights,
-``train`` must save a LoRA routed by the derived windows. ``auto`` runs ``mode = "auto"`` (set
+``train`` must save a LoRA routed by the derived windows. The map reads its first ``E2E_MAP_IMAGES`` samples (2 by
+default); a window needs at least 8 (the family-wise, heavy-tail calibrated safe read has no finite critical value
+below that: ``mapping/safe_read.py``), so ``map-train`` wants ``E2E_MAP_IMAGES=8 E2E_IMAGES=8 E2E_REPEATS=1`` and
+``E2E_STEPS`` well above 8: a repeat is no probe, and the host's data order can repeat an image within an epoch (at
+seed 42 the eighth distinct image of the Flux run comes at batch 12). ``auto`` runs ``mode = "auto"`` (set
 ``E2E_STEPS`` ≥ 16: the certifier's probes are the first 16 samples): ``windows.toml`` and
 ``certify.json`` must be written, with the model's identity, and the LoRA routed by the certified
 windows must record them (``ss_downscale_map``). ``record`` passes the arguments after it
 to the script (``--gradient_accumulation_steps 2 --resume DIR ...``) and writes ``WORK/record.json``:
 every train step's route decision in order, the saved LoRA's ``ss_downscale_*`` metadata and the
-accelerator's state hooks left at the end, and for SDXL the target size each UNet forward's size embedding encodes
-(``unet_sizes``); the caller checks them (``E2E_IMAGES``, ``E2E_REPEATS``,
+accelerator's state hooks left at the end, and for SDXL the source, crop and target sizes each UNet forward's size
+embedding encodes (``unet_sizes``); the caller checks them (``E2E_IMAGES``, ``E2E_REPEATS``, ``E2E_IMAGE_WH``,
 ``E2E_STEPS`` and ``E2E_ROUTES`` set the dataset, ``max_train_steps`` and the plugin table). Prints
 ``E2E OK`` on success.
 
@@ -77,7 +81,9 @@ from safetensors.torch import load_file, save_file
 
 STEPS = int(os.environ.get("E2E_STEPS", 8))
 IMAGES = int(os.environ.get("E2E_IMAGES", 2))
+MAP_IMAGES = int(os.environ.get("E2E_MAP_IMAGES", 2))  # the map's probes (distinct images; batch size 1)
 REPEATS = int(os.environ.get("E2E_REPEATS", 4))
+IMAGE_WH = tuple(int(x) for x in os.environ.get("E2E_IMAGE_WH", "128x128").split("x"))  # the images' (W, H) in px
 DEFAULT_ROUTES = """
 [plugins.downscale]
 gate = "coupled"
@@ -102,8 +108,8 @@ map_out = "{out}"
 map_ratios = [0.5]                # 16x16 latents: the 8x8 route
 map_bins = "0,0.5,1"              # two bins and σ = 1
 map_draws = 4
-map_images = 2                    # the run's first two samples (batch size 1: the map runs before batch 2)
-map_margin = 0.99                 # a loose margin, so that a window is found and after_map = "train" routes
+map_images = {images}             # the run's first samples (MAP_IMAGES)
+map_margin = 0.99                 # a loose margin, so that with 8 probes a window is found and after_map = "train" routes
 map_reenc = true                  # the VAE arms, on the run's own AutoEncoder
 map_pixel = true
 """
@@ -154,7 +160,7 @@ def write_images(root: Path) -> Path:
     images.mkdir(parents=True)
     rng = np.random.default_rng(0)
     for i in range(IMAGES):
-        pixels = (rng.random((128, 128, 3)) * 255).astype(np.uint8)
+        pixels = (rng.random((IMAGE_WH[1], IMAGE_WH[0], 3)) * 255).astype(np.uint8)
         Image.fromarray(pixels).save(images / f"{i}.png")
         (images / f"{i}.txt").write_text(f"a tiny test image number {i}")
     return root / "img"
@@ -496,27 +502,29 @@ def check_auto(work: Path, meta: dict) -> None:
 
 
 def sdxl_size_recorder() -> list:
-    """Per forward of SDXL's UNet: its latent grid and the target size (px) its size embedding encodes, found by the
-    host's own ``get_size_embeddings`` of the images' 128 px source, crop (0, 0) and a target at either the native
-    128 px or the forward's own grid × 8, whichever the embedding equals exactly (None: neither)."""
+    """Per forward of SDXL's UNet (batch size 1): its latent grid, the source size, crop top-left and target size (px,
+    (h, w) each) that the host's ``call_unet`` passed to ``get_size_embeddings`` for it, and whether the UNet's input
+    ``y`` carries exactly those sizes' embedding."""
     from library import sdxl_original_unet, sdxl_train_util
 
     seen: list = []
+    last: dict = {}
+    embed = sdxl_train_util.get_size_embeddings
     forward = sdxl_original_unet.SdxlUNet2DConditionModel.forward
 
+    def size_embeddings(orig_size, crop_size, target_size, device):
+        last.update(original=orig_size.tolist()[0], crop=crop_size.tolist()[0], target=target_size.tolist()[0])
+        last["embedding"] = embed(orig_size, crop_size, target_size, device)
+        return last["embedding"]
+
     def recorded(self, x, timesteps=None, context=None, y=None, **kwargs):
-        n, (h, w) = x.shape[0], x.shape[-2:]
+        assert x.shape[0] == 1, x.shape
         sizes = y[:, -6 * 256 :]  # after CLIP-G's pooled output: source, crop and target sizes (h, w), 256 each
-        found = None
-        for target in ((128, 128), (8 * h, 8 * w)):
-            embedding = sdxl_train_util.get_size_embeddings(
-                torch.tensor([[128, 128]] * n), torch.zeros(n, 2, dtype=torch.long), torch.tensor([target] * n), x.device
-            )
-            if torch.equal(sizes, embedding.to(sizes.dtype)):
-                found = list(target)
-        seen.append({"hw": [h, w], "target": found})
+        embedded = torch.equal(sizes, last.pop("embedding").to(sizes.dtype))
+        seen.append({"hw": list(x.shape[-2:]), **last, "embedded": embedded})
         return forward(self, x, timesteps, context, y, **kwargs)
 
+    sdxl_train_util.get_size_embeddings = size_embeddings
     sdxl_original_unet.SdxlUNet2DConditionModel.forward = recorded
     return seen
 
@@ -547,7 +555,9 @@ def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
         return main_ranks(work, inner, models, host_argv)
     script, config, inner, models = SETUPS[arch](work, write_images(work))
     if mode.startswith("map-"):
-        config.write_text(config.read_text().replace(ROUTES, MAP.format(after=mode.removeprefix("map-"), out=work / "map")))
+        config.write_text(
+            config.read_text().replace(ROUTES, MAP.format(after=mode.removeprefix("map-"), out=work / "map", images=MAP_IMAGES))
+        )
     if mode == "auto":
         config.write_text(config.read_text().replace(ROUTES, AUTO.format(out=work / "map")))
     sys.argv = [script, "--config_file", str(config), *host_argv]
@@ -575,8 +585,9 @@ def main(arch: str, work: Path, mode: str = "train", *host_argv: str) -> None:
     counts = json.loads(meta["ss_downscale_counts"])
     if mode == "map-train":
         windows = check_map(work)
+        assert "routes" in windows, f"the map certified no window, the run trained native: {windows}"
         assert json.loads(meta["ss_downscale_routes"]) == windows["routes"], meta
-        assert json.loads(meta["ss_downscale_map"])["before_train_batch"] == 2, meta
+        assert MAP_IMAGES <= json.loads(meta["ss_downscale_map"])["before_train_batch"] < STEPS, meta  # routed steps follow
     if mode == "auto":
         check_auto(work, meta)
     assert meta["ss_network_module"] == "downscale_plugin" and meta["ss_downscale_inner"] == inner, meta

@@ -452,7 +452,8 @@ def test_a_later_run_adds_evidence_to_a_saved_result_instead_of_starting_over():
 
 
 def test_windows_provenance_names_every_mismatch_and_warn_is_a_choice():
-    from downscale_plugin.config import ConfigError, foreign_windows, load_config
+    from downscale_plugin.certify_config import foreign_windows
+    from downscale_plugin.config import ConfigError, load_config
 
     plugin = {
         "routes": [{"scale": 0.875, "sigma_min": 0.9}],

@@ -147,6 +147,21 @@ def test_a_resumed_auto_run_routes_by_its_certified_windows_without_certifying_a
     assert json.loads(second["metadata"]["ss_downscale_map"])["method"] == "certify"
 
 
+def test_a_second_real_run_on_the_same_model_reuses_the_cached_windows(tmp_path, windows_cache):
+    """Two processes on the same (seeded, byte-identical) tiny Flux file, in two folders: the first certifies and caches,
+    the second keys itself to the same entry (the model's sha256 and the real sampler's σ deciles are the same in a new
+    process) and routes by the cached windows from its first forward, with no probe pass."""
+    first, log = recorded(tmp_path / "a", tmp_path / "certify_a", steps=50)
+    assert "certified before train batch" in log and "windows cache: no cached windows" in log, log[-3000:]
+    (entry,) = windows_cache.glob("*.toml")
+    second, log = recorded(tmp_path / "b", tmp_path / "certify_b", steps=50)
+    assert "certified before train batch" not in log and f"reusing the cached windows {entry}" in log, log[-3000:]
+    assert "certification: none in this run (0 native-step equivalents" in log and not (tmp_path / "certify_b").exists()
+    windows = json.loads(first["metadata"]["ss_downscale_routes"])
+    assert json.loads(second["metadata"]["ss_downscale_routes"]) == windows and any(s["rule"] >= 0 for s in second["steps"][:16])
+    assert json.loads(second["metadata"]["ss_downscale_map"])["method"] == "reused"
+
+
 OPENS_NOTHING = """
 [plugins.downscale]
 mode = "auto"

@@ -85,6 +85,11 @@ def test_check_an_auto_config(tmp_path, capsys):
     code, out, err = _run(capsys, "check", "--config_file", _write(tmp_path, "t.toml", text))
     assert code == 0, err
     assert "mode auto: map_out c, ratios 0.75," in out and "certify_budget 0.2 of the run's native compute, draws 4" in out
+    assert "windows cache on;" in out
+    code, out, err = _run(capsys, "check", "--config_file", _write(tmp_path, "off.toml", text + 'certify_reuse = "off"\n'))
+    assert code == 0 and "windows cache off;" in out, err
+    code, _, err = _run(capsys, "check", "--config_file", _write(tmp_path, "no.toml", text + "certify_reuse = false\n"))
+    assert code == 2 and "certify_reuse: False is not allowed (allowed: on, refresh, off)" in err
     code, _, err = _run(capsys, "check", "--config_file", _write(tmp_path, "bad.toml", text + "map_images = 4\n"))
     assert code == 2 and 'map_images: not used with mode = "auto"' in err
 

@@ -58,3 +58,32 @@ def test_nested_settings_take_flat_keys_and_check_themselves():
         MapConfig(draws=1)
     with pytest.raises(ConfigError, match="positions: 'near' is not allowed"):
         FasterDitConfig(positions="near")
+
+
+def test_the_measurement_groups_keep_their_toml_keys_and_name_them_when_built_directly():
+    """The certifier's, the map's and the provenance keys live in ``certify_config.py``, spelled as users always wrote
+    them; a group built directly names the key as written, with what is allowed."""
+    from downscale_plugin.certify_config import CertifyConfig, WindowsProvenance
+
+    measured = {key for key in config_keys() if key.startswith(("map_", "certify_", "windows_"))}
+    assert measured == {
+        *(f"map_{k}" for k in ("ratios", "bins", "draws", "images", "margin", "simultaneous", "out", "reenc", "pixel")),
+        *(f"certify_{k}" for k in ("budget", "draws", "spot_checks", "resume", "reuse", "cache", "unpaid")),
+        *(f"windows_{k}" for k in ("model", "arch", "native", "margin", "method", "images", "version", "date", "foreign")),
+    }
+    with pytest.raises(ConfigError, match=r"certify_budget: 0.9 is out of range \(allowed: 0 to 0.5\)"):
+        CertifyConfig(budget=0.9)
+    with pytest.raises(ConfigError, match=r"windows_foreign: 'ignore' is not allowed \(allowed: error, warn\)"):
+        WindowsProvenance(foreign="ignore")
+    assert load_config(table={"mode": "auto", "map_out": "m", "certify_budget": 0.2}).certify == CertifyConfig(budget=0.2)
+
+
+def test_host_check_defaults_to_error_takes_warn_and_names_its_values_on_a_bad_one():
+    routed = {"routes": [{"scale": 0.5, "sigma_min": 0.9}]}
+    assert load_config(table=routed).host_check == "error"
+    assert load_config({"host_check": "warn"}, table=routed).host_check == "warn"
+    with pytest.raises(ConfigError) as raised:
+        load_config({"host_check": "ignore"}, table={"host_check": "off"})
+    text = str(raised.value)
+    assert "ds_host_check: 'ignore' is not allowed (allowed: error, warn)" in text
+    assert "host_check: 'off' is not allowed (allowed: error, warn)" in text

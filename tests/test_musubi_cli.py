@@ -76,6 +76,7 @@ def host_doubles(monkeypatch):
     """The doubles' trainer_base stands in for musubi-tuner's: plan draws through the host's sampler."""
     monkeypatch.syspath_prepend(DOUBLES)
     monkeypatch.setattr(mcli, "TRAINER_BASE", "musubi_trainer_base")
+    monkeypatch.setattr(mcli, "PARSER_COMMON", "musubi_trainer_base")  # the double's parser holds the common options too
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     yield
@@ -440,14 +441,15 @@ def test_the_real_hosts_functions_pass_the_self_check(monkeypatch):
     """Every piece the plugin re-implements agrees with musubi-tuner's own functions, Wan 2.2's expert override too."""
     _real_musubi()
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # wan/modules/t5.py evaluates it at import (no GPU here)
-    from musubi_tuner.wan_train_network import WanNetworkTrainer
+    from musubi_tuner import wan_train_network
 
     from downscale_plugin.hosts.kohya.selfcheck import drift_problems
     from downscale_plugin.hosts.musubi.selfcheck import CHECKED_AGAINST, pieces
+    from downscale_plugin.hosts.musubi.startup import script_parser
 
-    wan = WanNetworkTrainer()
+    wan = wan_train_network.WanNetworkTrainer()
     wan.high_low_training, wan.timestep_boundary, wan.next_model_is_high_noise = True, 0.875, False  # as --dit_high_noise sets them
-    checks = pieces(wan, BY_ARCH["wan"])
+    checks = pieces(wan, BY_ARCH["wan"], script_parser(wan_train_network).parse_args([]))  # the script's options at their defaults
     assert "expert" in checks[-1].what and drift_problems(checks, CHECKED_AGAINST) == []
 
 

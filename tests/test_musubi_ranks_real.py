@@ -1,6 +1,6 @@
 """musubi-tuner's real Wan training as two CPU processes (``tests/musubi_e2e.py wan_ranks``; skipped unless ``MUSUBI_DIR``).
 
-One run, shared by every test here: musubi-tuner's real caching scripts, then ``wan_train_network.py`` launched by
+One run, shared by most tests here: musubi-tuner's real caching scripts, then ``wan_train_network.py`` launched by
 accelerate's launcher as two gloo ranks (``E2E_PROCESSES=2``), each rank with its own ``--seed`` (as an unseeded
 run draws one per process), ``--network_module downscale_plugin``, batch size 1 and gradient accumulation 2. The
 dataset holds 128² and 256² clips, so on some steps the two ranks are on different buckets; the σ sampler is
@@ -12,6 +12,10 @@ rank. The doubles' two-rank tests are ``tests/test_musubi_ranks.py``.
 The plugin's promise across ranks (README, "Ranks route together"): ranks on the same bucket run the same route
 every step; ranks on different buckets share one uniform mapped through their own odds, so they disagree only as
 often as those odds differ, and the end summary counts those steps.
+
+Resume across process counts (the last tests): a state saved at step 3 by two ranks (one run, shared) resumes on one
+process and on two, and a state one process saved resumes on two; each resumed run goes on at the saved forward per
+process, with rank 0's seed, its counts on from the saved ones, and (two to two) the saved run's routes.
 """
 
 from __future__ import annotations
@@ -23,7 +27,14 @@ import sys
 from pathlib import Path
 
 import pytest
-from ranks_checks import RANKS_SEED, counts_are_cross_rank_sums, disagreements_are_counted, same_bucket_steps_share_their_route, step_pairs
+from ranks_checks import (
+    LABELS,
+    RANKS_SEED,
+    counts_are_cross_rank_sums,
+    disagreements_are_counted,
+    same_bucket_steps_share_their_route,
+    step_pairs,
+)
 from test_musubi_e2e import ran_at_its_grid
 
 MUSUBI_DIR = os.environ.get("MUSUBI_DIR")
@@ -36,6 +47,7 @@ ACCUMULATION = 2
 FORWARDS = STEPS * ACCUMULATION  # train forwards per rank
 SEED = RANKS_SEED  # rank r trains with --seed SEED + r
 BUCKETS = [[16, 16], [32, 32]]  # 128² and 256² clips at the latent grid (one latent frame)
+MIN_SHARED = 3  # forwards (absolute index, bucket) that the saved run and the run resumed on two ranks both ran
 
 
 def _e2e(work: Path, name: str, processes: int, *argv: str) -> dict:
@@ -154,19 +166,105 @@ def test_each_rank_runs_its_own_sigma(run):
             assert step["fallback"] is None and all(_category(x, windows) == step["rule"] for x in step["sigmas"]), step
 
 
-def test_a_state_two_real_ranks_saved_resumes_on_one_process_at_each_ranks_forward(tmp_path):
+SAVE_AT = 3  # optimizer steps: the state every resume test starts from (--save_every_n_steps 3)
+SAVED_FORWARDS = SAVE_AT * ACCUMULATION  # train forwards per process before the save
+SLOTS = (0, 1, -1)  # the counts' route slots: the two routes, then native
+
+
+def _save(work: Path, processes: int) -> tuple[dict, Path, dict]:
+    """The run on ``processes`` processes, saving its state at step ``SAVE_AT``: its record, that state and the plugin's
+    counts file in it."""
+    from downscale_plugin.hosts.kohya.run import COUNTS_FILE
+
+    record = _e2e(work, "wan_ranks", processes, "--save_state", "--save_every_n_steps", str(SAVE_AT))
+    (state,) = (work / "out").glob(f"*-step{SAVE_AT:08d}-state")
+    return record, state, json.loads((state / COUNTS_FILE).read_text())
+
+
+def _slots(steps: list[dict]) -> list[int]:
+    """Forwards per route slot (``Counts.steps``' layout) among ``steps``."""
+    return [sum(s["rule"] == i for s in steps) for i in SLOTS]
+
+
+def _rank_steps(record: dict) -> list[list[dict]]:
+    """Each process's recorded steps (a one-process record holds them at its top level)."""
+    return [rank["steps"] for rank in record["ranks"]] if "ranks" in record else [record["steps"]]
+
+
+def _saved_counts_are_the_saving_runs_first_forwards(saved: dict, counts: dict, processes: int) -> list[int]:
+    """The counts saved with the state are the saving run's forwards before the save on all its processes, per route
+    slot, and say on how many processes they were summed; returns them per slot."""
+    before = _slots([s for steps in _rank_steps(saved) for s in steps[:SAVED_FORWARDS]])
+    assert counts["processes"] == processes and counts["counts"]["steps"] == before, (counts, before)
+    assert sum(before) == processes * SAVED_FORWARDS
+    return before
+
+
+def _resumed_counts_go_on_from_the_saved(resumed: dict, before: list[int]) -> None:
+    """On every rank of a two-process resumed run, the forward index goes on from the saved run's forwards per process,
+    and the cross-rank counts are the saved ones plus both ranks' own, per route slot; so are the LoRA's."""
+    ranks = resumed["ranks"]
+    assert [rank["resume_offset"] for rank in ranks] == [SAVED_FORWARDS] * PROCESSES
+    assert [rank["seed"] for rank in ranks] == [SEED, SEED]  # rank 0's --seed, as in the saved run
+    new = [s for rank in ranks for s in rank["steps"]]
+    assert len(new) == PROCESSES * FORWARDS
+    total = [a + b for a, b in zip(before, _slots(new), strict=True)]
+    for rank in ranks:
+        assert rank["totals"]["steps"] == total, (rank["rank"], rank["totals"]["steps"], total)
+        assert sum(rank["local"]["steps"]) == FORWARDS + (sum(before) if rank["rank"] == 0 else 0)  # restored on rank 0
+    counts = json.loads(resumed["metadata"]["ss_downscale_counts"])
+    assert counts["forwards"] == sum(total)
+    assert counts["routes"] == pytest.approx({LABELS[i]: n / sum(total) for i, n in zip(SLOTS, total, strict=True)})
+
+
+@pytest.fixture(scope="module")
+def saved_by_two(tmp_path_factory) -> tuple[dict, Path, dict]:
+    return _save(tmp_path_factory.mktemp("saved_by_two") / "work", PROCESSES)
+
+
+def test_a_state_two_real_ranks_saved_resumes_on_one_process_at_each_ranks_forward(saved_by_two, tmp_path):
     """musubi-tuner's resumed run starts its step count again at 0, so the plugin takes the resumed forward from the
     counts saved with the state: their cross-rank sum over the processes that saved it (``processes`` in the counts
     file). A state the two ranks saved at step 3 (2 ranks × 3 steps × accumulation 2 = 12 forwards) resumes on one
     process at absolute forward 6, each rank's own forward at the save (12 would skip a rank's worth of spans and
     step draws), and the resumed run's counts go on from the saved 12."""
-    from downscale_plugin.hosts.kohya.run import COUNTS_FILE
-
-    saved = _e2e(tmp_path / "two" / "work", "wan_ranks", PROCESSES, "--save_state", "--save_every_n_steps", "3")
+    saved, state, counts = saved_by_two
     assert [rank["resume_offset"] for rank in saved["ranks"]] == [0, 0]
-    (state,) = (tmp_path / "two" / "work" / "out").glob("*-step00000003-state")
-    counts = json.loads((state / COUNTS_FILE).read_text())
-    assert counts["processes"] == PROCESSES
+    before = _saved_counts_are_the_saving_runs_first_forwards(saved, counts, PROCESSES)
     resumed = _e2e(tmp_path / "one" / "work", "wan_ranks", 1, "--resume", str(state))  # the same dataset and routes
-    assert resumed["resume_offset"] == 3 * ACCUMULATION
-    assert resumed["counts"]["forwards"] == PROCESSES * 3 * ACCUMULATION + FORWARDS
+    assert resumed["resume_offset"] == SAVED_FORWARDS
+    assert resumed["counts"]["forwards"] == PROCESSES * SAVED_FORWARDS + FORWARDS
+    total = [a + b for a, b in zip(before, _slots(resumed["steps"]), strict=True)]
+    assert resumed["counts"]["routes"] == pytest.approx({LABELS[i]: n / sum(total) for i, n in zip(SLOTS, total, strict=True)})
+
+
+def test_a_state_two_real_ranks_saved_resumes_on_two_and_routes_on_as_the_saved_run(saved_by_two, tmp_path):
+    """Resumed on two processes, each rank goes on at forward 6 with rank 0's seed, and the counts go on from the
+    saved 12. The coupled gate's category at a forward is one uniform from (seed, absolute forward) through the
+    bucket's odds, so wherever a resumed rank is at forward n on a bucket that a rank of the saved run (which trained on
+    to forward 12) was on at forward n, both ran the same route: the resumed run continues the saved run's stream
+    (restarting at forward 1, or at 12, would draw other uniforms)."""
+    saved, state, counts = saved_by_two
+    before = _saved_counts_are_the_saving_runs_first_forwards(saved, counts, PROCESSES)
+    resumed = _e2e(tmp_path / "two" / "work", "wan_ranks", PROCESSES, "--resume", str(state))
+    _resumed_counts_go_on_from_the_saved(resumed, before)
+    routes: dict[tuple[int, tuple[int, int]], set[int]] = {}
+    for record, offset in ((saved, 0), (resumed, SAVED_FORWARDS)):
+        for steps in _rank_steps(record):
+            for s in steps:
+                routes.setdefault((offset + s["step"], tuple(s["native_hw"])), set()).add((offset, s["rule"]))
+    shared = {key: seen for key, seen in routes.items() if {offset for offset, _ in seen} == {0, SAVED_FORWARDS}}
+    assert len(shared) >= MIN_SHARED, sorted(routes.items())  # forwards both runs ran on one bucket
+    assert all(len({rule for _, rule in seen}) == 1 for seen in shared.values()), sorted(shared.items())
+    assert len({rule for seen in shared.values() for _, rule in seen}) >= 2  # not one route throughout
+
+
+def test_a_state_one_real_process_saved_resumes_on_two_ranks_at_its_forward(tmp_path):
+    """A state one process saved at step 3 (6 forwards, ``processes`` 1 in its counts) resumes on two ranks, each at
+    absolute forward 6 (the saved forwards per process), with rank 0's seed; the cross-rank counts go on from the
+    saved 6 per route, on both ranks and in the LoRA."""
+    saved, state, counts = _save(tmp_path / "one" / "work", 1)
+    assert saved["resume_offset"] == 0
+    before = _saved_counts_are_the_saving_runs_first_forwards(saved, counts, 1)
+    resumed = _e2e(tmp_path / "two" / "work", "wan_ranks", PROCESSES, "--resume", str(state))
+    _resumed_counts_go_on_from_the_saved(resumed, before)

@@ -23,15 +23,19 @@ from __future__ import annotations
 import json
 import math
 import os
+import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 import torch
+from host_copies import host_copy, startup_env
 
 MUSUBI_DIR = os.environ.get("MUSUBI_DIR")
 pytestmark = pytest.mark.skipif(not MUSUBI_DIR, reason="MUSUBI_DIR (a musubi-tuner checkout) is not set")
 
+HERE = Path(__file__).parent
 ROUTED = "ds_routes=x0.5@0.0-"
 NEVER = "ds_routes=1024:768@0.0-"  # no bucket of these runs is in the 1024 px tier
 
@@ -595,3 +599,84 @@ def test_a_real_wan_map_without_windows_leaves_the_run_bitwise_the_hosts(musubi,
     assert "[[routes]]" not in (out / "windows.toml").read_text()
     theirs, ours = (load_file(str(tmp_path / run / "out" / "w.safetensors")) for run in ("plain", "plugin"))
     assert theirs.keys() == ours.keys() and all(torch.equal(theirs[k], ours[k]) for k in theirs)
+
+
+# -- drift on copies of the real checkout: an added option passes, a changed formula stops the script ----------
+
+SAMPLER_DRAW = ("src/musubi_tuner/training/trainer_base.py", "        batch_size = noise.shape[0]")  # NetworkTrainer's sampler
+MUSUBI_ADDED_OPTION = (
+    ("src/musubi_tuner/training/parser_common.py", "    parser = argparse.ArgumentParser()",
+     '    parser.add_argument("--noise_scale", type=float, default=1.0)'),
+    (*SAMPLER_DRAW, "        noise = noise * args.noise_scale"),
+)  # fmt: skip
+MUSUBI_CHANGED_FORMULA = ((*SAMPLER_DRAW, "        noise = noise * 1.01"),)
+MUSUBI_SAMPLER = "musubi_tuner.training.trainer_base.NetworkTrainer.get_noisy_model_input_and_timesteps"
+QWEN_TOML = """network_module = "downscale_plugin"
+[training]
+timestep_sampling = "qwen_shift"
+max_train_steps = 100
+
+[[plugins.downscale.routes]]
+route = "1024:768"
+sigma_min = 0.65
+"""
+
+
+def musubi_run(work: Path, checkout: Path | str) -> dict:
+    """Qwen-Image's real caching and training scripts of ``checkout`` through ``tests/musubi_e2e.py`` (8 steps): its
+    ``record.json``."""
+    env = {**os.environ, "MUSUBI_DIR": str(checkout), "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "E2E_STEPS": "8"}
+    work.parent.mkdir(parents=True)
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "musubi_e2e.py"), "qwen_image", str(work)], cwd=work.parent, env=env, capture_output=True, text=True
+    )
+    assert proc.returncode == 0 and "E2E OK" in proc.stdout, proc.stdout[-4000:] + proc.stderr[-4000:]
+    return json.loads((work / "record.json").read_text())
+
+
+def test_a_real_musubi_copy_that_added_an_option_trains_exactly_as_the_unchanged_host(tmp_path):
+    """A newer musubi-tuner with one more option (neutral default) that ``NetworkTrainer``'s sampler reads as
+    ``args.noise_scale``: the check calls it with the run's own args, so the run is not refused, and its routed steps and
+    saved LoRA are the unchanged host's, bit for bit. Before the model loads, the same check on the command line passes it
+    at the default and refuses ``--noise_scale 1.01``, the run's own value, as a changed result."""
+    from safetensors.torch import load_file
+
+    copy = host_copy(MUSUBI_DIR, tmp_path / "musubi-tuner", MUSUBI_ADDED_OPTION)
+    reference = musubi_run(tmp_path / "unchanged" / "work", MUSUBI_DIR)
+    record = musubi_run(tmp_path / "added" / "work", copy)
+    assert sum(step["rule"] >= 0 for step in record["steps"]) >= 2  # routed steps
+    assert record["steps"] == reference["steps"] and "ss_downscale_host_check" not in record["metadata"]
+    ours, theirs = (load_file(str(tmp_path / run / "work" / "out" / "lora.safetensors")) for run in ("added", "unchanged"))
+    assert ours.keys() == theirs.keys() and all(torch.equal(ours[k], theirs[k]) for k in ours)
+    check = [sys.executable, "-m", "downscale_plugin", "check", "--host", "musubi", "--", str(copy / "qwen_image_train_network.py")]
+    check += ["--config_file", str(tmp_path / "added" / "work" / "train.toml")]
+    passed = subprocess.run(check, cwd=tmp_path, env=startup_env(), capture_output=True, text=True, timeout=300)
+    assert passed.returncode == 0 and "config OK" in passed.stdout, (passed.stdout + passed.stderr)[-3000:]
+    refused = subprocess.run(
+        [*check, "--noise_scale", "1.01"], cwd=tmp_path, env=startup_env(), capture_output=True, text=True, timeout=300
+    )
+    assert refused.returncode == 2, (refused.stdout + refused.stderr)[-3000:]
+    assert f"{MUSUBI_SAMPLER} no longer matches" in refused.stderr
+    assert "the host's result differs" in refused.stderr and "could not call" not in refused.stderr
+
+
+def test_a_real_musubi_copy_with_a_changed_noise_formula_is_refused_before_the_script_loads_a_model(tmp_path):
+    """The copy's ``NetworkTrainer`` sampler scales its noise by 1.01: its real training script, started as a user starts
+    it, stops in the startup check before it reads its settings; ``host_check = "warn"`` logs it and goes on."""
+    copy = host_copy(MUSUBI_DIR, tmp_path / "musubi-tuner", MUSUBI_CHANGED_FORMULA)
+    config = tmp_path / "train.toml"
+    config.write_text(QWEN_TOML)  # no model files: a run past the check fails on them
+    script = [sys.executable, str(copy / "qwen_image_train_network.py"), "--config_file", str(config)]
+    env = startup_env(PYTHONPATH=os.pathsep.join([str(copy / "src"), os.environ.get("PYTHONPATH", "")]))  # the script runs the copy
+    proc = subprocess.run(script, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log[-3000:]
+    assert f"{MUSUBI_SAMPLER} no longer matches the exact σ law of timestep_sampling=" in log and "the host's result differs" in log
+    assert "the plugin was checked against musubi-tuner 30c658c4" in log and "stopped before the trainer loads any model" in log
+    assert "Loading settings from" not in log, log[-3000:]
+    warned = subprocess.run(
+        [*script, "--network_args", "ds_host_check=warn"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
+    )
+    log = warned.stdout + warned.stderr
+    assert f"{MUSUBI_SAMPLER} no longer matches" in log and 'host_check = "warn": training on' in log, log[-3000:]
+    assert "stopped before the trainer loads any model" not in log and "Loading settings from" in log, log[-3000:]

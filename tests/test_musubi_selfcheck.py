@@ -19,7 +19,9 @@ def test_the_doubles_agree_with_every_piece():
     """Every piece on the doubles' NetworkTrainer (they follow musubi-tuner), and Wan 2.2's expert override."""
     wan = trainers().WanNetworkTrainer()
     wan.high_low_training, wan.timestep_boundary, wan.next_model_is_high_noise = True, 0.875, False
-    checks = pieces(wan, BY_ARCH["wan"])
+    import musubi_trainer_base
+
+    checks = pieces(wan, BY_ARCH["wan"], musubi_trainer_base.setup_parser().parse_args([]))  # the options at their defaults
     assert len(checks) == 15 and "expert" in checks[-1].what
     assert drift_problems(checks, CHECKED_AGAINST) == []
     assert wan.next_model_is_high_noise is False and wan.timestep_range_pool == []  # the check left the trainer as it was
@@ -99,7 +101,7 @@ def test_a_drifted_expert_choice_stops_a_wan22_run(tmp_path, monkeypatch):
         return out
 
     monkeypatch.setattr(wan, "get_noisy_model_input_and_timesteps", get_noisy_model_input_and_timesteps)
-    argv = ("--buckets", "64x64x5", "--dit_high_noise", "high.safetensors", "--timestep_sampling", "sigmoid")
+    argv = ("--task", "t2v-A14B", "--buckets", "64x64x5", "--dit_high_noise", "high.safetensors", "--timestep_sampling", "sigmoid")
     with pytest.raises(HostError, match="WanNetworkTrainer.get_noisy_model_input_and_timesteps no longer matches Wan 2.2's expert"):
         run("WanNetworkTrainer", *argv, tmp_path=tmp_path, downscale=ALL_ROUTED)
 

@@ -192,6 +192,17 @@ def test_time_to_quality_read_offs_on_synthetic_runs() -> None:
     assert s["arms"]["eps0.2"]["time_to_quality"]["steps"]["ratio"] == pytest.approx(1.25)
 
 
+def test_an_arm_whose_map_certified_nothing_is_recorded_as_native_not_trained() -> None:
+    """At ε = 0.05 the concept map certified no window (its file says ``enable = false``): the study neither
+    schedules that arm nor reads it as a routed arm, and says why."""
+    bench = _bench()
+    args = bench.parse_args(["--arms", "native,eps0.05,eps0.2", "--seeds", "0,1"])
+    assert bench.todo(args) == [("native", 0), ("eps0.2", 0), ("native", 1), ("eps0.2", 1)]
+    runs = {("native", 0): _synthetic_run("native", 0, 1.0, 1.0, 16, 10.0), ("native", 1): _synthetic_run("native", 1, 1.0, 1.0, 16, 12.0)}
+    s = bench.summarize(runs, ["native", "eps0.05"])
+    assert set(s["arms"]) == {"native"} and "the arm is the native run" in s["windowless"]["eps0.05"]
+
+
 def test_monotone_fit_first_reach_and_ratio_interval() -> None:
     assert monotone_fit([3.0, 1.0, 2.0, 0.0]) == pytest.approx([3.0, 1.5, 1.5, 0.0])
     assert monotone_fit([1.0, 2.0, 3.0]) == pytest.approx([2.0, 2.0, 2.0])

@@ -21,6 +21,7 @@ import json
 import math
 import os
 import random
+import re
 import shutil
 import subprocess
 import sys
@@ -30,7 +31,9 @@ from unittest.mock import MagicMock
 
 import numpy as np
 import pytest
+import toml
 import torch
+from host_copies import host_copy, startup_env
 from host_modules import host_modules
 from rng_trap import NativeStepCheck, RngTrap
 from rng_trap import same as rng_same
@@ -332,7 +335,8 @@ def test_a_routed_sdxl_step_conditions_on_the_small_buckets_sizes_and_a_native_o
 @pytest.mark.parametrize("arch", ["flux", "lumina", "sd3", "sdxl"])
 def test_selfcheck_every_piece_agrees_with_the_real_host(arch):
     record = BY_ARCH[arch]
-    checks = selfcheck.standalone(record, importlib.import_module(record.sampler[0]))
+    base = importlib.import_module(SCRIPTS[arch][0]).setup_parser().parse_args([])  # the script's own options at their defaults
+    checks = selfcheck.standalone(record, importlib.import_module(record.sampler[0]), base)
     assert len(checks) >= 2 and drift_problems(checks, selfcheck.CHECKED_AGAINST) == []
     assert command_line_drift([f"{SD_SCRIPTS_DIR}/{SCRIPTS[arch][0]}.py", "--network_module", "downscale_plugin"]) == []
 
@@ -541,10 +545,10 @@ def test_banner_tables_stay_tables_under_the_hosts_logging_setup(capsys):
     assert "test table printed" in err and "FLOPs saved" not in err, err
 
 
-def end_to_end(arch: str, work: Path, mode: str = "train") -> str:
-    """Run ``tests/sd_scripts_e2e.py`` (the real script's ``__main__`` path); its log, whitespace collapsed
-    (the host logs through rich, which pads lines)."""
-    env = {**os.environ, "COLUMNS": "1000"}  # unwrapped log lines
+def end_to_end(arch: str, work: Path, mode: str = "train", **e2e_env: str) -> str:
+    """Run ``tests/sd_scripts_e2e.py`` (the real script's ``__main__`` path, ``e2e_env``: its ``E2E_*`` settings); its
+    log, whitespace collapsed (the host logs through rich, which pads lines)."""
+    env = {**os.environ, "COLUMNS": "1000", **e2e_env}  # unwrapped log lines
     proc = subprocess.run(
         [sys.executable, str(HERE / "sd_scripts_e2e.py"), arch, str(work), mode],
         cwd=SD_SCRIPTS_DIR,
@@ -572,12 +576,101 @@ def test_map_mode_in_the_real_training_script(arch, after_map, tmp_path):
     script ends (exit 0, no weights) or trains with the derived windows (the e2e script checks both).
     map_reenc / map_pixel run the VAE arms on the run's own real VAE class (Flux's tiny AutoEncoder,
     SD3's full-size SDVAE with random weights)."""
-    log = end_to_end(arch, tmp_path, f"map-{after_map}")
-    assert "gradient map before train batch 2" in log and (tmp_path / "map" / "windows.toml").is_file()
+    e2e_env = {}
+    if after_map == "train":  # 8 probes (fewer certify nothing at the family-wise calibrated read) of 8 distinct images
+        e2e_env = {"E2E_MAP_IMAGES": "8", "E2E_IMAGES": "8", "E2E_REPEATS": "1", "E2E_STEPS": "16"}
+    log = end_to_end(arch, tmp_path, f"map-{after_map}", **e2e_env)
+    found = re.search(r"gradient map before train batch (\d+)", log)
+    assert found, log[-4000:]
+    batch = int(found[1])  # a repeated image is no probe: the map may come after batch 8, and routed steps must follow
+    assert (batch == 2) if after_map == "stop" else (8 <= batch < 16), batch
     rows = list(csv.DictReader((tmp_path / "map" / "map.csv").open()))
     assert sorted({r["arm"] for r in rows}) == ["latent_0.5", "pixel_0.5", "reenc"] and all(math.isfinite(float(r["excess"])) for r in rows)
-    done = "ending the run before training batch 2 (no weights saved)" if after_map == "stop" else "training continues from batch 2"
-    assert done in log
+    windows = (tmp_path / "map" / "windows.toml").read_text()
+    if after_map == "stop":  # 2 probes: no safe window, and the file says so (the plugin disabled)
+        assert "routes" not in toml.loads(windows) and toml.loads(windows)["enable"] is False, windows
+        assert "# no route has a safe window at this margin: the plugin is disabled" in windows
+        assert f"ending the run before training batch {batch} (no weights saved)" in log
+    else:
+        assert toml.loads(windows)["routes"] and f"training continues from batch {batch} with the derived windows" in log
+
+
+# -- drift on copies of the real checkout: an added option passes, a changed formula stops the script ----------
+
+NOISE_DRAW = ("library/flux_train_utils.py", '    assert bsz > 0, "Batch size not large enough"')  # in get_noisy_model_input_and_timesteps
+ADDED_OPTION = (
+    ("library/flux_train_utils.py", "def add_flux_train_arguments(parser: argparse.ArgumentParser):",
+     '    parser.add_argument("--noise_scale", type=float, default=1.0)'),
+    (*NOISE_DRAW, "    noise = noise * args.noise_scale"),
+)  # fmt: skip
+CHANGED_FORMULA = ((*NOISE_DRAW, "    noise = noise * 1.01"),)
+FLUX_SAMPLER = "library.flux_train_utils.get_noisy_model_input_and_timesteps"
+
+
+def flux_record(work: Path, checkout: Path | str) -> tuple[dict, list[float]]:
+    """The real Flux script of ``checkout`` through ``tests/sd_scripts_e2e.py record`` (routes at every σ > 0.3): its
+    ``record.json`` and every step's ``loss/current`` from its TensorBoard log."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    env = {**os.environ, "COLUMNS": "1000"}
+    proc = subprocess.run(
+        [sys.executable, str(HERE / "sd_scripts_e2e.py"), "flux", str(work), "record"],
+        cwd=checkout,
+        env=env,
+        capture_output=True,
+        text=True,
+    )
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 0 and "E2E OK" in log, log[-4000:]
+    (events,) = (work / "logs").rglob("events.out.tfevents.*")
+    scalars = EventAccumulator(str(events))
+    scalars.Reload()
+    return json.loads((work / "record.json").read_text()), [e.value for e in scalars.Scalars("loss/current")]
+
+
+def test_a_real_host_copy_that_added_an_option_trains_exactly_as_the_unchanged_host(tmp_path):
+    """A newer sd-scripts with one more option (neutral default) that its noise function reads as ``args.noise_scale``:
+    the check calls it with the run's own args, so the run is not refused, and its routed steps and losses are the
+    unchanged host's, bit for bit. Before the model loads, the same check on the command line passes it at the default
+    and refuses ``--noise_scale 1.01``, the run's own value, as a changed result."""
+    copy = host_copy(SD_SCRIPTS_DIR, tmp_path / "sd-scripts", ADDED_OPTION)
+    reference, reference_losses = flux_record(tmp_path / "unchanged", SD_SCRIPTS_DIR)
+    record, losses = flux_record(tmp_path / "added", copy)
+    assert sum(step["rule"] >= 0 for step in record["steps"]) >= 4  # routed steps
+    assert record["steps"] == reference["steps"] and losses == reference_losses and len(losses) == len(record["steps"])
+    assert "ss_downscale_host_check" not in record["metadata"]
+    check = [sys.executable, "-m", "downscale_plugin", "check", "--", str(copy / "flux_train_network.py")]
+    check += ["--config_file", str(tmp_path / "added" / "train.toml")]
+    passed = subprocess.run(check, cwd=tmp_path, env=startup_env(), capture_output=True, text=True, timeout=300)
+    assert passed.returncode == 0 and "config OK" in passed.stdout, (passed.stdout + passed.stderr)[-3000:]
+    refused = subprocess.run(
+        [*check, "--noise_scale", "1.01"], cwd=tmp_path, env=startup_env(), capture_output=True, text=True, timeout=300
+    )
+    assert refused.returncode == 2, (refused.stdout + refused.stderr)[-3000:]
+    assert f"{FLUX_SAMPLER} no longer matches the routed step's noisy input" in refused.stderr
+    assert "the host's result differs" in refused.stderr and "could not call" not in refused.stderr
+
+
+def test_a_real_host_copy_with_a_changed_noise_formula_is_refused_before_the_script_loads_a_model(tmp_path):
+    """The copy's noise × 1.01 in its own ``get_noisy_model_input_and_timesteps``: the real script, started as a user
+    starts it, stops in the startup check before it reads its settings; ``host_check = "warn"`` logs it and goes on."""
+    copy = host_copy(SD_SCRIPTS_DIR, tmp_path / "sd-scripts", CHANGED_FORMULA)
+    config = tmp_path / "train.toml"
+    config.write_text(EARLY_ERROR_TOML)  # checkpoints that do not exist: a run past the check fails loading them
+    script = [sys.executable, str(copy / "flux_train_network.py"), "--config_file", str(config)]
+    proc = subprocess.run(script, cwd=tmp_path, env=startup_env(), capture_output=True, text=True, timeout=300)
+    log = proc.stdout + proc.stderr
+    assert proc.returncode == 2, log[-3000:]
+    found = "no longer matches the routed step's noisy input for a replayed σ (families.FlowFamily replay): the host's result differs"
+    assert f"{FLUX_SAMPLER} {found} (noisy input (ip_noise_gamma None, torch.float32): max |host − plugin| = " in log, log[-3000:]
+    assert "the plugin was checked against sd-scripts 48d368fa" in log and "stopped before the trainer loads any model" in log
+    assert not [marker for marker in HOST_PROGRESS if marker in log], log[-3000:]
+    warned = subprocess.run(
+        [*script, "--network_args", "ds_host_check=warn"], cwd=tmp_path, env=startup_env(), capture_output=True, text=True, timeout=300
+    )
+    log = warned.stdout + warned.stderr
+    assert f"{FLUX_SAMPLER} no longer matches" in log and 'host_check = "warn": training on' in log, log[-3000:]
+    assert "stopped before the trainer loads any model" not in log and "Loading settings from" in log, log[-3000:]
 
 
 # -- issue 10 items 2 and 3: the host's generators, untouched (tests/rng_trap.py) ----------------------

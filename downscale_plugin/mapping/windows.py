@@ -164,7 +164,7 @@ def tier_entries(w: Window, backend: dict) -> tuple[list[dict], list[str]]:
 
 
 def provenance_keys(backend: dict, margin: float, method: str, images: int | None, date: str) -> dict:
-    """The ``windows_*`` keys (``config.WindowsProvenance``) of a windows TOML: the base model, arch and
+    """The ``windows_*`` keys (``certify_config.WindowsProvenance``) of a windows TOML: the base model, arch and
     native grid the verdicts were measured on, and how; what the backend does not know is left out."""
     hw = backend.get("native_latent_hw")
     keys = {

@@ -650,3 +650,6 @@ def setup_parser() -> argparse.ArgumentParser:
     p.add_argument("--dit_high_noise", default=None)
     p.add_argument("--timestep_boundary", type=int, default=None)
     return p
+
+
+setup_parser_common = setup_parser  # training/parser_common.py's name: the double keeps the common options in one parser

@@ -2,6 +2,10 @@
 
 Timeline (one process; docs/FIDELITY.md §9 has the method):
 
+0. The session keys the run (``mapping/reuse.py``: the base model files' sha256, adapter, rank, buckets, σ law, host,
+   version, routes, bins, ε, α). Windows cached under that key route the run from its first step, at no cost, and
+   nothing below happens; otherwise the banner names the nearest cached key's differing fields, and step 4 caches
+   what this run certifies.
 1. The host's ``start`` builds the session (a host's subclass of :class:`AutoSession`). The run has no routes, so its first steps are native,
    bitwise the host's. What the run already shows (several processes, a ratio with no smaller grid,
    fewer train batches than the 16 probes need, a ``certify_resume`` file for other settings or another model) stops
@@ -30,6 +34,7 @@ assumes); a later run continues the evidence with ``certify_resume``.
 from __future__ import annotations
 
 import json
+import os
 import time
 from typing import Any
 
@@ -42,8 +47,9 @@ from ...grid import target_grid
 from ...plan import format_plan
 from ...rng import plugin_logger
 from ...text import pct, route_rows
+from .conventions import split_network_args
 from .probes import ProbeSession
-from .run import DownscaleRun
+from .run import DownscaleRun, version
 
 logger = plugin_logger(__name__)
 
@@ -56,6 +62,7 @@ class AutoSession(ProbeSession):
     (``ProbeSession``) and its σ sampler as ``plan`` draws it (:meth:`host_sampler`)."""
 
     mode = "auto"
+    host = ""  # the host's name in a windows key (a host's subclass says)
 
     def __init__(self, run: DownscaleRun, ctx: Any, family: Any, buckets: Any, record: Any):
         self.refuse_missing_packages(run)  # before the certifier's import needs them
@@ -73,8 +80,93 @@ class AutoSession(ProbeSession):
         self.started = time.perf_counter()
         self.plan: Any = None  # the certifier's plan at start (``in_run.start_plan``), when the buckets give the routes' costs
         self.skipped: str | None = None  # why no test can pay: the run trains native
-        self.refuse(self.problems())
+        self.key, self.reused, self.cache_text = self.consult_cache()
+        if self.reused is None:  # reused windows need no probe, budget or evidence
+            self.refuse(self.problems())
         run.scalar_extra.append(self.scalars)
+
+    # -- the windows cache (mapping/reuse.py) ----------------------------------------------------
+
+    def windows_key(self, cache: str) -> Any:
+        """This run's :class:`~downscale_plugin.mapping.reuse.WindowsKey`: the base model files' sha256 (read once
+        per file, remembered in ``cache``), the adapter module with its own ``network_args`` and ``network_dim``, the buckets, the σ law of the
+        host's sampler, the host, the plugin's version and what is certified (routes, bins, ε, α)."""
+        from ...mapping.reuse import WindowsKey, file_hash, sampler_fingerprint
+
+        args = self.ctx.args
+        dim = getattr(args, "network_dim", None)
+        grids = [tuple(hw) for hw in self.buckets.latent_buckets]
+        given = dict(a.split("=", 1) for a in getattr(args, "network_args", None) or [] if "=" in a)  # as the trainers split them
+        inner = sorted(f"{k.strip()}={v}" for k, v in split_network_args(given)[1].items())  # the adapter's own options
+        return WindowsKey(
+            model=" + ".join(file_hash(path, cache) for path in self.model_files()),
+            arch=self.run.arch,
+            network=self.run.inner + (f" ({', '.join(inner)})" if inner else ""),
+            rank=None if dim is None else int(dim),
+            buckets=tuple(f"{h}x{w}" for h, w in grids),
+            sampler=sampler_fingerprint(self.host_sampler(), grids, MASS_SAMPLES),
+            host=self.host,
+            version=version(),
+            ratios=tuple(a.ratio for a in self.routes),
+            bins=self.bins.spec(),
+            margin=self.settings.margin,
+            alpha=self.settings.looks.alpha,
+        )
+
+    def consult_cache(self) -> tuple[Any, Any, str]:
+        """(this run's key or None when nothing is cached, the cached entry to reuse or None, what the banner says)."""
+        from ...mapping.reuse import cache_dir, entry_path, lookup
+
+        certify = self.run.cfg.certify
+        self.cache = cache_dir(certify.cache)
+        if certify.reuse == "off":
+            return None, None, 'windows cache: certify_reuse = "off": not read, not written'
+        unhashable = [path or "?" for path in self.model_files() if not path or not os.path.isfile(path)]
+        if unhashable:
+            return None, None, f"windows cache: the base model {', '.join(unhashable)} is no file to hash: windows are not cached"
+        if not self.buckets.latent_buckets:
+            return None, None, "windows cache: the run's buckets are not known: windows are not cached"
+        t0 = time.perf_counter()
+        key = self.windows_key(self.cache)
+        took = time.perf_counter() - t0
+        if took >= 1.0:  # a model file's first sha256
+            logger.info(
+                "downscale_plugin: keyed the run for the windows cache in %.0f s (the base model's sha256, read once per file)", took
+            )
+        stored = f"the windows certified here are stored as {entry_path(key, self.cache)}"
+        if certify.resume:
+            return key, None, f"windows cache: certify_resume continues its evidence, the cache is not read; {stored}"
+        if getattr(self.ctx.args, "resume", None):
+            return key, None, f"windows cache: not read by a resumed run (--resume: its state's windows route it); {stored}"
+        if certify.reuse == "refresh":
+            return key, None, f'windows cache: certify_reuse = "refresh": {stored}'
+        found = lookup(key, self.cache)
+        return key, found.entry, f"windows cache: {found.reason}" + ("" if found.entry else f"\n  certifying; {stored}")
+
+    def install(self) -> None:
+        """Collect probes (:class:`ProbeSession`) unless no test can pay (then the run is the plain run), or with cached
+        windows route by them from the first step."""
+        if self.reused is None:
+            if self.skipped is None:
+                super().install()
+            return
+        self.measured = True
+        self.run.adopt_saved = self.adopt
+        entry = self.reused
+        routes = load_config(plugin_toml=entry.windows()).routes
+        self.run.retarget(routes)
+        self.run.extra_metadata["ss_downscale_map"] = json.dumps(
+            {
+                "method": "reused",
+                "entry": entry.path,
+                "key": self.key.digest(),
+                "windows": [f"{r.label} {r.window_text()}" for r in routes],
+                "certified": entry.date,
+                "certification_cost": entry.cost,
+                "native_step_equivalents": 0.0,
+                "unit": COST_UNIT,
+            }
+        )
 
     def problems(self) -> list[str]:
         """What makes certification in this run impossible, found before any compute."""
@@ -144,6 +236,12 @@ class AutoSession(ProbeSession):
         return problems
 
     def banner(self) -> str:
+        if self.reused is not None:
+            rules = "\n".join(f"  {row}".rstrip() for row in route_rows(self.run.cfg.routes)) or "  no route: the cached windows open none"
+            return (
+                f'  mode = "auto": reusing the {self.cache_text.removeprefix("windows cache: ")}: no probes, zero certification '
+                f"cost; routing from the first step by\n{rules}"
+            )
         s = self.settings
         if self.skipped is not None:
             return f'  mode = "auto": no certification, the run trains native (as the plain run): {self.skipped}'
@@ -157,12 +255,8 @@ class AutoSession(ProbeSession):
             f"the windows serve only the tiers of the buckets the probes come from; outputs to {self.out_dir}"
             + (f"; continuing the evidence of {self.run.cfg.certify.resume}" if self.prior else "")
             + "".join(f"\n  {line}" for line in plan)
+            + f"\n  {self.cache_text}"
         )
-
-    def install(self) -> None:
-        """Collect probes and certify (``ProbeSession.install``), unless no test can pay: then the run is the plain run."""
-        if self.skipped is None:
-            super().install()
 
     # -- certification --------------------------------------------------------------------------
 
@@ -226,7 +320,24 @@ class AutoSession(ProbeSession):
             done.windows_toml,
             done.certify_json,
         )
+        if self.key is not None:
+            self.store(done)
         self.train_with(done.windows_toml)
+
+    def store(self, done: Any) -> None:
+        """Cache the certified windows under this run's key (their total cost, a resumed run's evidence included)."""
+        from ...mapping.reuse import store
+        from ...mapping.windows import utc_now
+
+        with open(done.windows_toml) as fh:
+            text = fh.read()
+        before = done.result.provenance.get("resumed_from", {}).get("native_step_equivalents", 0.0)
+        try:
+            path = store(self.key, text, before + done.result.spent, utc_now(), self.command(), self.cache)
+        except (OSError, ValueError) as err:  # an unwritable folder; windows the cache's own check refuses (reuse.EntryError)
+            logger.warning("downscale_plugin: the windows cache could not be written (%s); the run goes on", err)
+            return
+        logger.info("downscale_plugin: cached the certified windows as %s (key %s)", path, self.key.digest())
 
     def train_with(self, windows_path: str) -> None:
         """The certified windows become the run's routes: router, plan, accounting, metadata; log them."""
@@ -273,14 +384,16 @@ class AutoSession(ProbeSession):
 
     def net(self) -> tuple[float, float, float] | None:
         """(certification cost, routed saving so far, net) in native-step equivalents of the run's FLOP model (its
-        token fraction without one: the unit the certifier priced passes in); None before a certification."""
-        if self.result is None:
+        token fraction without one: the unit the certifier priced passes in); None before a certification (cost 0 with
+        cached windows)."""
+        if self.result is None and self.reused is None:
             return None
         totals = self.run.totals
         saving = totals.flop_saving()
         saving = totals.token_saving() if saving is None else saving
         saved = saving * sum(totals.counts.samples)
-        return self.result.spent, saved, saved - self.result.spent
+        spent = self.result.spent if self.result is not None else 0.0
+        return spent, saved, saved - spent
 
     def scalars(self) -> dict[str, float]:
         """``downscale/certify/*`` for the host's trackers: cost, routed saving and net, in native-step equivalents
@@ -299,12 +412,19 @@ class AutoSession(ProbeSession):
         if self.skipped is not None:
             return [f"  certification: none, the run trained native: {self.skipped}"]
         net = self.net()
+        of = lambda x: pct(x / self.run_passes) if self.run_passes else "n/a"  # noqa: E731
+        if self.reused is not None and net is not None:
+            return [
+                f"  certification: none in this run (0 {COST_UNIT}): windows reused from {self.reused.path} (certified "
+                f"{self.reused.date or '?'} for {self.reused.cost:.1f}); routed {pct(self.run.totals.demote_fraction())} of the run's steps",
+                f"  net ({COST_UNIT}): routed saving {net[1]:.1f} ({of(net[1])}) − certification 0 = {net[2]:+.1f} ({of(net[2])}) "
+                f"of the run's {self.run_passes} single-sample passes",
+            ]
         if net is None:
             if self.measured:  # adopted from a resumed state
                 return ["  certification: none in this run; the resumed state's windows, certified before it was saved, route it"]
             return []
         spent, saved, gain = net
-        of = lambda x: pct(x / self.run_passes) if self.run_passes else "n/a"  # noqa: E731
         wall = time.perf_counter() - self.started
         flop = self.run.totals.flop_saving()
         train = max(wall - self.certify_s, 0.0)

@@ -291,10 +291,31 @@ def config_from_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict
     return cfg, merged
 
 
+def host_namespace(parser: argparse.ArgumentParser, arguments: Sequence[str]) -> argparse.Namespace | None:
+    """The args a kohya training script will run with: its own ``parser`` (``setup_parser()``) on ``arguments``, over
+    the flattened training TOML of ``--config_file`` as both trainers' ``read_config_from_file`` merges them. None
+    when the command line does not parse or the TOML cannot be read: the script's own parser reports those."""
+
+    def refuse(message: str) -> None:
+        raise _Refused(message)
+
+    parser.error = refuse  # type: ignore[method-assign]  # never print usage or exit
+    try:
+        args = parser.parse_args(list(arguments))
+        if not getattr(args, "config_file", None):
+            return args
+        problems: list[str] = []
+        flat = _read_training_toml(training_toml_path(args.config_file), problems)
+        return None if problems and not flat else parser.parse_args(list(arguments), namespace=argparse.Namespace(**flat))
+    except (_Refused, argparse.ArgumentError, SystemExit):
+        return None
+
+
 def startup_report(argv: Sequence[str], drift: Callable[[Sequence[str]], list[str]] | None = None) -> str | None:
     """The startup check: the report to print before exiting 2, or None (the command does not train with
     the plugin, asks for help, writes a config, or its plugin config is valid and ``drift(argv)``, the host's
-    self-check of the checkout the command runs (``hosts/kohya/selfcheck.py``), finds nothing)."""
+    self-check of the checkout the command runs (``hosts/kohya/selfcheck.py``), finds nothing or only what
+    ``host_check = "warn"`` logs and lets through)."""
     try:
         line = parse_command_line(trainer_arguments(argv))
     except ConfigError:  # the trainer's own parser will say what is wrong with it
@@ -310,8 +331,12 @@ def startup_report(argv: Sequence[str], drift: Callable[[Sequence[str]], list[st
     if module != PLUGIN_MODULE:
         return None
     try:
-        config_from_command_line(argv)
+        cfg, _ = config_from_command_line(argv)
         problems = drift(argv) if drift is not None else []
+        if problems:
+            from .selfcheck import warned  # torch is imported already: the self-check ran
+
+            problems = warned(problems, cfg.host_check)
         if problems:
             raise ConfigError(problems)
     except ConfigError as err:

@@ -202,6 +202,10 @@ class ProbeSession:
         """The base model's file or name as the run's args give it."""
         raise NotImplementedError
 
+    def model_files(self) -> list[str | None]:
+        """Every base model file the run's steps run (what cached windows are keyed by)."""
+        return [self.model_path()]
+
     def offer(self, arguments: dict[str, Any]) -> None:
         """A train batch: take its samples as probes; with enough, run the measurement and what follows it."""
         self.batches += 1

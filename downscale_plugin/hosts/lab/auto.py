@@ -14,7 +14,8 @@ from __future__ import annotations
 import argparse
 import inspect
 import os
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Any, Protocol
 
 import toml
 
@@ -29,14 +30,28 @@ from ..sd_scripts.map import MapHook
 from ..sd_scripts.map_backend import split_batch
 
 if TYPE_CHECKING:
+    from ...config import DownscaleConfig, RouteRule
+    from ...flops import FlopModel
     from ...mapping.in_run import InRunCertification
-    from .adapter import LabPlugin
+
+
+class AutoPlugin(Protocol):
+    """What an auto session needs of the lab's plugin (hosts/lab/adapter.py): its settings, the run's
+    buckets and FLOP model, and the switch to certified routes. A protocol, so that the adapter, which
+    starts the session, is the only one of the two that imports the other."""
+
+    cfg: DownscaleConfig
+    batch_size: int
+    buckets: list[tuple[int, int]]
+    flop_model: FlopModel
+
+    def retarget(self, routes: Sequence[RouteRule], hook: Any) -> None: ...
 
 
 class LabAutoSession:
     """One lab ``auto`` run: probe collection, the certification, the switch to its windows."""
 
-    def __init__(self, plugin: LabPlugin, args: argparse.Namespace, seed: int):
+    def __init__(self, plugin: AutoPlugin, args: argparse.Namespace, seed: int):
         from ...mapping.in_run import in_run_setup, pass_costs, start_plan, unpaid_problem
         from .sampler import lab_sampler
 

@@ -14,5 +14,7 @@ from .probes import MusubiProbes
 class MusubiAutoSession(MusubiProbes, AutoSession):
     """One musubi-tuner ``auto`` run."""
 
+    host = "musubi-tuner"
+
     def host_sampler(self) -> PlanSampler:
         return run_sampler(self.family, self.ctx.args, self.ctx.dit_dtype)

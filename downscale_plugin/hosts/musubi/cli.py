@@ -33,8 +33,9 @@ from ...config import ConfigError, DownscaleConfig, vae_arm_problems
 from ...plan import Sampler
 from ...sigma import ContinuousLaw
 from ..kohya.conventions import config_from_command_line, config_from_training_toml
+from ..kohya.selfcheck import warned
 from .buckets import MusubiBuckets, latent_frames
-from .facts import BY_ARCH, MUSUBI_ARCHS, REFUSED_TRAINERS, SUPPORTED, TRAINER_BASE, HostError
+from .facts import BY_ARCH, HOST_PACKAGE, MUSUBI_ARCHS, REFUSED_TRAINERS, SUPPORTED, TRAINER_BASE, HostError
 from .family import FLOW_MODES, MusubiFamily, flow_law, run_sampler
 from .startup import command_line_drift
 
@@ -69,6 +70,7 @@ REFUSED_SCRIPTS = {
     "flux_2_train_network_self_flow": "Flux2SelfFlowNetworkTrainer",
 }
 DEFAULT_MAX_TRAIN_STEPS = 1600  # training/parser_common.py
+PARSER_COMMON = f"{HOST_PACKAGE}.training.parser_common"  # setup_parser_common: the options every training script has
 DEFAULT_RESOLUTION = (960, 544)  # dataset/config_utils.py BaseDatasetParams
 FRAME_MODES = ("head", "chunk", "slide", "uniform")  # frame_extraction modes whose items have target_frames frames
 
@@ -150,7 +152,7 @@ def read_command_line(argv: Sequence[str]) -> tuple[DownscaleConfig, dict[str, A
     except HostError as err:
         raise ConfigError([str(err)]) from None
     cfg, merged = config_from_command_line(argv)
-    problems = _run_problems(cfg, merged, arch) + command_line_drift(argv)
+    problems = _run_problems(cfg, merged, arch) + warned(command_line_drift(argv), cfg.host_check)
     if problems:
         raise ConfigError(problems)
     return cfg, merged
@@ -222,8 +224,10 @@ def host_sampler(arch: str, host: HostArgs) -> tuple[Sampler, str]:
     if base is not None:
         trainer = base.NetworkTrainer()
         trainer.num_timestep_buckets = args.num_timestep_buckets
+        # every option of musubi-tuner's own parser at its default under the knobs: the host's sampler may read more
+        run_args = SimpleNamespace(**{**vars(importlib.import_module(PARSER_COMMON).setup_parser_common().parse_args([])), **vars(args)})
         return run_sampler(
-            MusubiFamily(trainer, BY_ARCH[arch]), args, torch.bfloat16
+            MusubiFamily(trainer, BY_ARCH[arch]), run_args, torch.bfloat16
         ), f"{text}; musubi-tuner's NetworkTrainer.get_noisy_model_input_and_timesteps"
     if args.timestep_sampling in FLOW_MODES and not args.preserve_distribution_shape and flow_law(args, (64, 64)) is not None:
         return LawSampler(args), f"{text}; exact law (musubi-tuner not importable)"

@@ -102,3 +102,8 @@ class MusubiProbes:
 
     def model_path(self) -> str | None:
         return getattr(self.ctx.args, "dit", None)
+
+    def model_files(self) -> list[str | None]:
+        """The DiT, and Wan 2.2's high-noise expert when it trains too (its steps are the high-σ ones windows route)."""
+        high = getattr(self.ctx.args, "dit_high_noise", None)
+        return [self.model_path(), *([high] if high else [])]

@@ -17,8 +17,9 @@ timesteps = 1000·σ + 1 are the host's. What the plugin still re-implements:
   on both sides of ``timestep_boundary`` (a run training both experts only).
 
 The checks run at ``prepare_network`` (after musubi-tuner has loaded the DiT: the trainer builds the network
-after the model) and, before any model loads, in the startup check and ``check --host musubi -- SCRIPT ...``
-where the script's musubi-tuner is importable (``startup.py``).
+after the model; on the trainer's args) and, before any model loads, in the startup check and ``check --host musubi
+-- SCRIPT ...`` where the script's musubi-tuner is importable (``startup.py``: on what the script's own parser reads
+from the command line).
 """
 
 from __future__ import annotations
@@ -30,7 +31,7 @@ from typing import Any
 import torch
 
 from ...rng import seed_forked
-from ..kohya.selfcheck import SEED, Piece, refuse_drift, same
+from ..kohya.selfcheck import SEED, Piece, refuse_drift, same, settle_drift, uncallable
 from .facts import BASE_TRAINER, SUPPORTED_REVISION, TRAINER_BASE, HostError, MusubiArch
 from .family import MU_SHIFTS, MusubiFamily, expert_is_high, flow_law, grid_law, loop_scheduler
 
@@ -42,13 +43,18 @@ LAW_ATOL = 1e-5  # the host draws σ in float32, the law's quantile is float64
 FUNCTION = f"{TRAINER_BASE}.{BASE_TRAINER}.get_noisy_model_input_and_timesteps"
 
 
-def host_args(**given: Any) -> SimpleNamespace:
-    """What the host's sampler reads from ``args`` (fixed values, not musubi-tuner's defaults), with ``given`` over them."""
-    fixed = dict(
-        timestep_sampling="sigmoid", discrete_flow_shift=3.1, sigmoid_scale=1.3, weighting_scheme="none", logit_mean=0.2,
-        logit_std=1.1, mode_scale=1.29, min_timestep=None, max_timestep=None, preserve_distribution_shape=False,
-    )  # fmt: skip
-    return SimpleNamespace(**{**fixed, **given})
+# What each check fixes over the run's args (fixed values, not musubi-tuner's defaults; everything else the host's
+# sampler reads is the run's own value).
+FIXED = dict(
+    timestep_sampling="sigmoid", discrete_flow_shift=3.1, sigmoid_scale=1.3, weighting_scheme="none", logit_mean=0.2,
+    logit_std=1.1, mode_scale=1.29, min_timestep=None, max_timestep=None, preserve_distribution_shape=False,
+)  # fmt: skip
+
+
+def host_args(base: Any, **given: Any) -> SimpleNamespace:
+    """The run's ``args`` (``base``: the trainer's, or the training script's own parser on the command line, so every
+    option the host reads is there at the run's value) with the options a check fixes over them, ``given`` over those."""
+    return SimpleNamespace(**{**vars(base), **FIXED, **given})
 
 
 def _fixed(*shape: int) -> torch.Tensor:
@@ -118,7 +124,7 @@ def _replay(family: MusubiFamily, scheduler: Any, args: Any) -> Callable[[], str
     return compare
 
 
-def _expert(trainer: Any, record: MusubiArch, scheduler: Any) -> Callable[[], str | None]:
+def _expert(trainer: Any, record: MusubiArch, scheduler: Any, base: Any) -> Callable[[], str | None]:
     """Wan 2.2's override picks the expert from its first sample's timestep: the plugin's rule on that timestep, both sides."""
     flag, boundary_name = record.expert
     family = MusubiFamily(trainer, record)
@@ -126,7 +132,7 @@ def _expert(trainer: Any, record: MusubiArch, scheduler: Any) -> Callable[[], st
     def compare() -> str | None:
         boundary = float(getattr(trainer, boundary_name))
         for u in (max(boundary - 0.01, 0.0), min(boundary + 0.01, 1.0)):
-            args = host_args(timestep_sampling="uniform")
+            args = host_args(base, timestep_sampling="uniform")
             stand_in = (torch.ones(1, 1, 1, 2, 2), torch.zeros(1, 1, 1, 2, 2))
             with family.kept_state():
                 _, t = family.base(args, *stand_in, [u], scheduler, "cpu", torch.float32)
@@ -139,40 +145,51 @@ def _expert(trainer: Any, record: MusubiArch, scheduler: Any) -> Callable[[], st
     return compare
 
 
-def pieces(trainer: Any, record: MusubiArch) -> list[Piece]:
-    """The self-check of a musubi-tuner trainer's sampler: its base class's own on a fresh instance (no run state),
-    and Wan 2.2's expert override on ``trainer`` itself when it trains both experts."""
-    base = next(cls for cls in type(trainer).__mro__ if cls.__name__ == BASE_TRAINER)
-    family = MusubiFamily(base(), record)
-    scheduler = loop_scheduler(family.trainer, host_args())
+def pieces(trainer: Any, record: MusubiArch, base: Any) -> list[Piece]:
+    """The self-check of a musubi-tuner trainer's sampler on the run's args ``base`` (:func:`host_args`): its base
+    class's own on a fresh instance (no run state), and Wan 2.2's expert override on ``trainer`` itself when it trains
+    both experts."""
+    cls = next(cls for cls in type(trainer).__mro__ if cls.__name__ == BASE_TRAINER)
+    family = MusubiFamily(cls(), record)
+    scheduler = loop_scheduler(family.trainer, host_args(base))
     out = [
-        Piece(f"the exact σ law of timestep_sampling={mode} (family.flow_law)", FUNCTION, _flow_law(family, scheduler, host_args(timestep_sampling=mode)))
+        Piece(f"the exact σ law of timestep_sampling={mode} (family.flow_law)", FUNCTION, _flow_law(family, scheduler, host_args(base, timestep_sampling=mode)))
         for mode in LAW_MODES
     ]  # fmt: skip
     ranged = {"min_timestep": 100, "max_timestep": 900}
     out.append(
-        Piece("the exact σ law with a timestep range (family.flow_law)", FUNCTION, _flow_law(family, scheduler, host_args(**ranged)))
+        Piece("the exact σ law with a timestep range (family.flow_law)", FUNCTION, _flow_law(family, scheduler, host_args(base, **ranged)))
     )
     out += [
-        Piece(f"the sigma grid's exact law, {name} (family.grid_law)", FUNCTION, _grid_law(family, scheduler, host_args(timestep_sampling="sigma", **given)))
+        Piece(f"the sigma grid's exact law, {name} (family.grid_law)", FUNCTION, _grid_law(family, scheduler, host_args(base, timestep_sampling="sigma", **given)))
         for name, given in (("uniform density", {}), ("logit_normal density", {"weighting_scheme": "logit_normal"}), ("a timestep range", ranged))
     ]  # fmt: skip
-    replays = (host_args(), host_args(timestep_sampling="flux_shift", **ranged), host_args(timestep_sampling="sigma"))
+    replays = (host_args(base), host_args(base, timestep_sampling="flux_shift", **ranged), host_args(base, timestep_sampling="sigma"))
     out += [
         Piece(f"a replayed σ's step, timestep_sampling={args.timestep_sampling} (family.MusubiFamily replay)", FUNCTION, _replay(family, scheduler, args))
         for args in replays
     ]  # fmt: skip
     if record.expert and getattr(trainer, "high_low_training", False):
         out.append(Piece("Wan 2.2's expert for a replayed σ (family.expert_is_high)", f"{type(trainer).__name__}.get_noisy_model_input_and_timesteps",
-                         _expert(trainer, record, scheduler)))  # fmt: skip
+                         _expert(trainer, record, scheduler, base)))  # fmt: skip
     return out
 
 
-def refuse_host_drift(trainer: Any, record: MusubiArch) -> None:
-    """``start``: stop the run (HostError) when musubi-tuner's functions differ from what the plugin re-implements."""
-    refuse_drift(pieces(trainer, record), CHECKED_AGAINST, HostError)
+def refuse_host_drift(trainer: Any, record: MusubiArch, args: Any, policy: str = "error") -> list[str]:
+    """``start``: :func:`pieces` on the run's ``args``, settled by ``host_check`` (``policy``): HostError, or the
+    findings logged and returned for the LoRA's metadata."""
+    try:
+        checks = pieces(trainer, record, args)
+    except Exception as err:  # the fresh trainer or its loop scheduler: nothing to check on
+        return settle_drift(
+            [uncallable(f"{TRAINER_BASE}.{BASE_TRAINER}", "the self-check's trainer and scheduler", err, CHECKED_AGAINST)],
+            policy,
+            HostError,
+        )
+    return refuse_drift(checks, CHECKED_AGAINST, HostError, policy)
 
 
-def standalone(record: MusubiArch, trainer_base: Any) -> list[Piece]:
-    """The pieces before a trainer exists (the startup check, ``check --``): on musubi-tuner's own ``NetworkTrainer``."""
-    return pieces(trainer_base.NetworkTrainer(), record)
+def standalone(record: MusubiArch, trainer_base: Any, base: Any) -> list[Piece]:
+    """The pieces before a trainer exists (the startup check, ``check --``): on musubi-tuner's own ``NetworkTrainer``,
+    with ``base`` the training script's own parser on the command line."""
+    return pieces(trainer_base.NetworkTrainer(), record, base)

@@ -36,6 +36,7 @@ from ...router import RouteDecision, Router
 from ...text import fasterdit_text, route_rows
 from ..kohya.conventions import plugin_config
 from ..kohya.run import COUNTS_FILE, DownscaleRun, Routing, shared_seed, show, version
+from ..kohya.selfcheck import METADATA_KEY
 from .buckets import MusubiBuckets, musubi_buckets
 from .compile import compile_warning
 from .facts import BASE_TRAINER, SUPPORTED, HostError, MusubiArch, trainer_arch
@@ -204,7 +205,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     refuse_unsupported(cfg)
     check_methods(ctx.trainer)
     check_run(ctx, record, cfg.gate)
-    refuse_host_drift(ctx.trainer, record)  # selfcheck.py; the startup check ran it before the DiT loaded
+    drift = refuse_host_drift(ctx.trainer, record, args, cfg.host_check)  # selfcheck.py; the startup check ran it before the DiT loaded
     family = MusubiFamily(ctx.trainer, record)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
@@ -216,6 +217,8 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         logger.warning("%s", compiled)
     resumed = ResumedForwards(world)
     run = DownscaleRun(cfg, record.arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, record.arch, seed, buckets, resumed))
+    if drift:  # host_check = "warn": the run trains on, and its LoRA says on what
+        run.extra_metadata[METADATA_KEY] = json.dumps(drift)
     session = None
     if cfg.mode == "map":
         from .map import MusubiMapSession  # the estimator and the plots load for a map run only

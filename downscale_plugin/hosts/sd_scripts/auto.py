@@ -14,6 +14,8 @@ from .trainer import plan_sampler
 class SdScriptsAutoSession(SdScriptsProbes, AutoSession):
     """One sd-scripts ``auto`` run."""
 
+    host = "sd-scripts"
+
     def host_sampler(self) -> Any:
         """The host's σ sampler as ``plan`` draws it (``sample(n, latent_hw, generator)``)."""
         return plan_sampler(self.ctx, self.family)

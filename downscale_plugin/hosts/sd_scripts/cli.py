@@ -22,6 +22,7 @@ from ...fasterdit.cli import LatentSource, register_latent_source
 from ...plan import Sampler
 from ...sigma import CLOSED_FORM_MODES, DENSITY_SCHEMES, DdpmSampler, SigmaSampler
 from ..kohya.conventions import config_from_command_line, config_from_training_toml
+from ..kohya.selfcheck import warned
 from .buckets import sd_scripts_buckets
 from .facts import ARCHS, BY_ARCH
 from .flop_args import run_flops
@@ -213,12 +214,13 @@ register_latent_source(
 
 def read_command_line(argv: list[str]) -> tuple[Any, dict[str, Any]]:
     """``check -- SCRIPT ...``: the command line's config (:func:`config_from_command_line`), then the drift
-    self-check of the sd-scripts checkout it runs, where importable (``selfcheck.py``); ConfigError lists every problem."""
-    found = config_from_command_line(argv)
-    problems = command_line_drift(argv)
+    self-check of the sd-scripts checkout it runs, where importable (``selfcheck.py``; ``host_check = "warn"`` logs its
+    findings instead); ConfigError lists every problem."""
+    cfg, merged = config_from_command_line(argv)
+    problems = warned(command_line_drift(argv), cfg.host_check)
     if problems:
         raise ConfigError(problems)
-    return found
+    return cfg, merged
 
 
 register_host(

@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from ...config import VAE_ARM_KEYS
+from ...certify_config import VAE_ARM_KEYS
 from ...rng import accelerator_devices, forked
 from ..kohya.map import MapSession
 from ..kohya.probes import ForcedSteps

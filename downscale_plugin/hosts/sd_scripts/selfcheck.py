@@ -17,9 +17,9 @@ functions on a tiny fixed input (``hosts/kohya/selfcheck.py``; the inventory is 
   at integer ones (``prepare_network`` only: the option is the run's).
 
 Everything else a step needs the host builds itself (noise, ids, masks, target, the DDPM noisy input,
-the size embeddings). The checks run in ``start`` (``prepare_network``, after the models load), in
-``check -- SCRIPT ...`` and in the startup check, where the script's checkout is importable there:
-before any model loads.
+the size embeddings). The checks run in ``start`` (``prepare_network``, after the models load, on the trainer's
+args), in ``check -- SCRIPT ...`` and in the startup check, where the script's checkout is importable there:
+before any model loads, on what the script's own ``setup_parser()`` reads from the command line (``startup.py``).
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from ...fasterdit.positions import continuous_rope
 from ...rng import forked, seed_forked
 from ...scope import swap_attr
 from ...sigma import ddpm_alphas_cumprod, ddpm_law
-from ..kohya.selfcheck import SEED, Piece, refuse_drift, same
+from ..kohya.selfcheck import SEED, Piece, refuse_drift, same, settle_drift, uncallable
 from .facts import SUPPORTED_REVISION, HostError, TrainerArch
 from .families import DDPMFamily, FlowFamily, SamplerFamily, flow_law
 
@@ -48,15 +48,19 @@ GRIDS = ((32, 32), (128, 96))  # two μ for the grid-dependent modes
 LAW_ATOL = 1e-5  # the host draws σ in float32, the law's quantile is float64
 
 
-def host_args(**given: Any) -> SimpleNamespace:
-    """What the host's sampler and noise functions read from ``args``, at their defaults, with ``given`` over them."""
-    defaults = dict(
-        timestep_sampling="sigmoid", sigmoid_scale=1.0, discrete_flow_shift=3.0, weighting_scheme="uniform", logit_mean=0.0,
-        logit_std=1.0, mode_scale=1.29, training_shift=1.0, min_timestep=None, max_timestep=None, ip_noise_gamma=None,
-        ip_noise_gamma_random_strength=False, noise_offset=None, noise_offset_random_strength=False, adaptive_noise_scale=None,
-        multires_noise_iterations=None, multires_noise_discount=0.3,
-    )  # fmt: skip
-    return SimpleNamespace(**{**defaults, **given})
+# What each check fixes over the run's args (everything else the host's functions read is the run's own value).
+FIXED = dict(
+    timestep_sampling="sigmoid", sigmoid_scale=1.0, discrete_flow_shift=3.0, weighting_scheme="uniform", logit_mean=0.0,
+    logit_std=1.0, mode_scale=1.29, training_shift=1.0, min_timestep=None, max_timestep=None, ip_noise_gamma=None,
+    ip_noise_gamma_random_strength=False, noise_offset=None, noise_offset_random_strength=False, adaptive_noise_scale=None,
+    multires_noise_iterations=None, multires_noise_discount=0.3,
+)  # fmt: skip
+
+
+def host_args(base: Any, **given: Any) -> SimpleNamespace:
+    """The run's ``args`` (``base``: the trainer's, or the training script's own parser on the command line, so every
+    option the host reads is there at the run's value) with the options a check fixes over them, ``given`` over those."""
+    return SimpleNamespace(**{**vars(base), **FIXED, **given})
 
 
 def _fixed(*shape: int) -> torch.Tensor:
@@ -78,12 +82,12 @@ def _slot(
     return family.call_host(getattr(family.module, family.fn_name), args, scheduler, latents, noise, "cpu", dtype)
 
 
-def _rebuild(family: FlowFamily, scheduler: Any) -> Callable[[], str | None]:
+def _rebuild(family: FlowFamily, scheduler: Any, base: Any) -> Callable[[], str | None]:
     """The replayed σ's noisy input against the host's own for the σ it drew (ξ and γ drawn alike), in float32
     and in bf16 (the weight dtype the host casts the noisy input and draws ξ in)."""
-    variants = [host_args()]
+    variants = [host_args(base)]
     if family.contract != "sd3":
-        variants += [host_args(ip_noise_gamma=0.1), host_args(ip_noise_gamma=0.1, ip_noise_gamma_random_strength=True)]
+        variants += [host_args(base, ip_noise_gamma=0.1), host_args(base, ip_noise_gamma=0.1, ip_noise_gamma_random_strength=True)]
     latents, noise = _fixed(2, 4, 4, 6), _fixed(2, 4, 4, 6).flip(-1)
 
     def compare() -> str | None:
@@ -106,9 +110,9 @@ def _rebuild(family: FlowFamily, scheduler: Any) -> Callable[[], str | None]:
     return compare
 
 
-def _continuous_law(family: FlowFamily, scheduler: Any, mode: str) -> Callable[[], str | None]:
+def _continuous_law(family: FlowFamily, scheduler: Any, mode: str, base: Any) -> Callable[[], str | None]:
     """The mode's quantile at the host's own uniform (Φ of its normal, or its uniform) against the host's σ."""
-    args = host_args(timestep_sampling=mode, sigmoid_scale=1.3, discrete_flow_shift=3.1)
+    args = host_args(base, timestep_sampling=mode, sigmoid_scale=1.3, discrete_flow_shift=3.1)
     uniform = mode in ("uniform", "nextdit_shift")
 
     def compare() -> str | None:
@@ -127,9 +131,9 @@ def _continuous_law(family: FlowFamily, scheduler: Any, mode: str) -> Callable[[
     return compare
 
 
-def _atom_law(family: FlowFamily, scheduler: Any, scheme: str) -> Callable[[], str | None]:
+def _atom_law(family: FlowFamily, scheduler: Any, scheme: str, base: Any) -> Callable[[], str | None]:
     """The grid law's (``sigma``; SD3's) atom at the host's own density draw against the host's (t, σ)."""
-    args = host_args(timestep_sampling="sigma", weighting_scheme=scheme, logit_mean=0.2, logit_std=1.1, training_shift=3.0)
+    args = host_args(base, timestep_sampling="sigma", weighting_scheme=scheme, logit_mean=0.2, logit_std=1.1, training_shift=3.0)
 
     def compare() -> str | None:
         dummy = torch.zeros(DRAWS, 1, 2, 2)
@@ -182,11 +186,11 @@ class _DdpmScheduler:
         return a.sqrt() * latents + (1 - a).sqrt() * noise
 
 
-def _ddpm_replay(family: DDPMFamily, scheduler: Any) -> Callable[[], str | None]:
+def _ddpm_replay(family: DDPMFamily, scheduler: Any, base: Any) -> Callable[[], str | None]:
     """A replayed timestep reaches the host's noise path (it looks ``get_timesteps`` up as a module attribute)."""
 
     def compare() -> str | None:
-        args, latents = host_args(), _fixed(2, 4, 4, 4)
+        args, latents = host_args(base), _fixed(2, 4, 4, 4)
         bound = family.bind(args, scheduler, latents, "cpu", torch.float32)
         wanted = torch.tensor([17, 923])
         positions = bound.pool.add(wanted, torch.zeros(2))
@@ -235,31 +239,34 @@ def _preamble(trainer: Any, family: SamplerFamily, args: Any, scheduler: Any) ->
     return compare
 
 
-def pieces(family: SamplerFamily, scheduler: Any) -> list[Piece]:
+def pieces(family: SamplerFamily, scheduler: Any, base: Any) -> list[Piece]:
     """The self-check of one σ family (the module the trainer reaches), with ``scheduler`` as the fixed
-    input of its flow modes (the trainer's own at ``prepare_network``; the host's class before)."""
+    input of its flow modes (the trainer's own at ``prepare_network``; the host's class before) and ``base``
+    the run's args (:func:`host_args`)."""
     if isinstance(family, DDPMFamily):
         name = family.module.__name__
         ddpm_scheduler = scheduler if hasattr(scheduler, "add_noise") else _DdpmScheduler()
         return [
             Piece("the DDPM law's uniform atoms (sigma.ddpm_law)", f"{name}.get_timesteps", _ddpm_law(family)),
             Piece("the routed step's timestep replay (families.DDPMFamily)", f"{name}.get_noise_noisy_latents_and_timesteps",
-                  _ddpm_replay(family, ddpm_scheduler)),
+                  _ddpm_replay(family, ddpm_scheduler, base)),
         ]  # fmt: skip
     function = f"{family.module.__name__}.{family.fn_name}"
-    out = [Piece("the routed step's noisy input for a replayed σ (families.FlowFamily replay)", function, _rebuild(family, scheduler))]
+    out = [
+        Piece("the routed step's noisy input for a replayed σ (families.FlowFamily replay)", function, _rebuild(family, scheduler, base))
+    ]
     if family.contract == "sd3":
         return out + [
-            Piece(f"SD3's exact σ law, {scheme} density (sigma.sd3_law)", function, _atom_law(family, scheduler, scheme))
+            Piece(f"SD3's exact σ law, {scheme} density (sigma.sd3_law)", function, _atom_law(family, scheduler, scheme, base))
             for scheme in ("uniform", "logit_normal")
         ]
     modes = ("uniform", "sigmoid", "shift", "flux_shift") + (("nextdit_shift",) if family.contract == "lumina" else ())
     out += [
-        Piece(f"the exact σ law of timestep_sampling={mode} (sigma.SigmaSampler)", function, _continuous_law(family, scheduler, mode))
+        Piece(f"the exact σ law of timestep_sampling={mode} (sigma.SigmaSampler)", function, _continuous_law(family, scheduler, mode, base))
         for mode in modes
     ]
     return out + [
-        Piece(f"the sigma grid's exact law, {scheme} density (sigma.grid_law)", function, _atom_law(family, scheduler, scheme))
+        Piece(f"the sigma grid's exact law, {scheme} density (sigma.grid_law)", function, _atom_law(family, scheduler, scheme, base))
         for scheme in ("uniform", "logit_normal")
     ]
 
@@ -274,25 +281,31 @@ def _lumina_rope() -> str | None:
     return same("RoPE factors at integer positions", torch.view_as_real(ours), torch.view_as_real(host), atol=1e-6)
 
 
-def refuse_host_drift(trainer: Any, family: SamplerFamily, args: Any, interpolate: str | None = None) -> None:
-    """``start``: stop the run (HostError) when the host's functions differ from what the plugin re-implements:
-    :func:`pieces` on the trainer's own scheduler, its step's RNG use before the σ draw (the run's args), and
-    with ``positions = "interpolate"`` (``interpolate``: the arch) Lumina's RoPE."""
-    scheduler = trainer.get_noise_scheduler(args, torch.device("cpu"))
+def refuse_host_drift(trainer: Any, family: SamplerFamily, args: Any, interpolate: str | None = None, policy: str = "error") -> list[str]:
+    """``start``: :func:`pieces` on the trainer's own scheduler and the run's ``args``, its step's RNG use before
+    the σ draw, and with ``positions = "interpolate"`` (``interpolate``: the arch) Lumina's RoPE, settled by
+    ``host_check`` (``policy``): HostError, or the findings logged and returned for the LoRA's metadata."""
+    getter = f"{type(trainer).__name__}.get_noise_scheduler"
+    try:
+        scheduler = trainer.get_noise_scheduler(args, torch.device("cpu"))
+    except Exception as err:  # nothing to check the flow pieces on
+        return settle_drift([uncallable(getter, "the self-check's scheduler", err, CHECKED_AGAINST)], policy, HostError)
     preamble = Piece(
         "the dry run's RNG use before the σ draw (families' BoundSampler.first)",
         f"{type(trainer).__name__}.get_noise_pred_and_target",
         _preamble(trainer, family, copy.copy(args), scheduler),
     )
     rope = [Piece("RoPE at real positions (fasterdit.positions.continuous_rope)", ".".join(LUMINA_ROPE), _lumina_rope)]
-    refuse_drift([*pieces(family, scheduler), preamble, *(rope if interpolate == "lumina" else [])], CHECKED_AGAINST, HostError)
+    checks = [*pieces(family, scheduler, args), preamble, *(rope if interpolate == "lumina" else [])]
+    return refuse_drift(checks, CHECKED_AGAINST, HostError, policy)
 
 
-def standalone(record: TrainerArch, module: ModuleType) -> list[Piece]:
-    """The pieces before a trainer exists: the host's own scheduler class (flow) or a fixed DDPM stand-in."""
+def standalone(record: TrainerArch, module: ModuleType, base: Any) -> list[Piece]:
+    """The pieces before a trainer exists, on ``base`` (the training script's own parser on the command line):
+    the host's own scheduler class (flow) or a fixed DDPM stand-in."""
     contract = record.sampler[1]
     if contract == "ddpm":
-        return pieces(DDPMFamily(module), _DdpmScheduler())
+        return pieces(DDPMFamily(module), _DdpmScheduler(), base)
     scheduler_module, scheduler_class = SCHEDULER_HANDLE
     scheduler = getattr(importlib.import_module(scheduler_module), scheduler_class)(num_train_timesteps=1000, shift=3.0)
-    return pieces(FlowFamily(module, contract), scheduler)
+    return pieces(FlowFamily(module, contract), scheduler, base)

@@ -24,10 +24,12 @@ collective would deadlock), and only the main process logs.
 
 from __future__ import annotations
 
+import json
 from typing import Any
 
 from ...arch import get_arch
-from ...config import DownscaleConfig, foreign_windows
+from ...certify_config import foreign_windows
+from ...config import DownscaleConfig
 from ...plan import Plan, format_plan, plan_table
 from ...rng import accelerator_devices, plugin_logger
 from ...router import RouteDecision, Router
@@ -35,6 +37,7 @@ from ...scope import Patches
 from ...text import fasterdit_text, route_rows
 from ..kohya.conventions import model_identity, plugin_config
 from ..kohya.run import DownscaleRun, Routing, shared_seed, show, version
+from ..kohya.selfcheck import METADATA_KEY
 from .buckets import DatasetBuckets, dataset_buckets
 from .facts import SUPPORTED, HostError, TrainerArch
 from .families import SamplerFamily
@@ -139,7 +142,7 @@ def routing(
 
 
 def check_windows(cfg: DownscaleConfig, model: str | None, arch: str, buckets: DatasetBuckets) -> None:
-    """Windows certified for another model, arch or tier (``config.foreign_windows``) stop the run,
+    """Windows certified for another model, arch or tier (``certify_config.foreign_windows``) stop the run,
     naming each mismatch, unless ``windows_foreign = "warn"``, which logs them."""
     problems = foreign_windows(cfg.windows, model, arch, buckets.latent_buckets, cfg.tier_tolerance)
     if problems and cfg.windows.foreign == "error":
@@ -167,7 +170,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         )
     family = make_family(record)
     # The host's functions against what the plugin re-implements (selfcheck.py); the startup check ran it before the models loaded.
-    refuse_host_drift(ctx.trainer, family, args, arch if cfg.fasterdit.positions == "interpolate" else None)
+    drift = refuse_host_drift(ctx.trainer, family, args, arch if cfg.fasterdit.positions == "interpolate" else None, cfg.host_check)
     options = step_options(cfg, record)
     accelerator = ctx.accelerator
     rank, world = int(accelerator.process_index), int(accelerator.num_processes)
@@ -178,6 +181,8 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
     check_windows(cfg, model_identity(args), arch, buckets)
     resume = HostResume(args, accelerator, ctx.frame, ctx.current_step, lambda: run.host_state)
     run = DownscaleRun(cfg, arch, inner, seed, accelerator, lambda c: routing(ctx, family, c, arch, seed, buckets, resume), read_host_state)
+    if drift:  # host_check = "warn": the run trains on, and its LoRA says on what
+        run.extra_metadata[METADATA_KEY] = json.dumps(drift)
     router, plan = run.router, run.plan
     session = None
     if cfg.mode == "map":

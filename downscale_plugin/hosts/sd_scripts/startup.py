@@ -2,7 +2,8 @@
 line runs, for the startup check (``downscale_plugin_startup.DRIFT_CHECKS``) and ``check -- SCRIPT ...``.
 
 It imports nothing heavy (torch, the host) unless the command runs an sd-scripts training script whose
-checkout has the host's ``library`` package; the host's modules are forgotten again afterwards.
+checkout has the host's ``library`` package; then it imports the script too, for its own parser (the args the
+check calls the host with are the run's), and forgets the host's modules again afterwards.
 """
 
 from __future__ import annotations
@@ -12,10 +13,11 @@ import importlib.util
 import os
 from collections.abc import Sequence
 
-from ..kohya.conventions import host_imports
+from ..kohya.conventions import host_imports, host_namespace, trainer_arguments
 from .facts import TRAINER_ARCHS, TrainerArch
 
-HOST_PACKAGES = ("library",)  # what the check imports from the checkout, and forgets again
+SCRIPTS = tuple(dict.fromkeys(record.script for record in TRAINER_ARCHS))
+HOST_PACKAGES = ("library", "networks", *SCRIPTS)  # what the check imports from the checkout, and forgets again
 
 
 def script_record(argv: Sequence[str]) -> tuple[TrainerArch, str] | None:
@@ -30,8 +32,10 @@ def script_record(argv: Sequence[str]) -> tuple[TrainerArch, str] | None:
 
 
 def command_line_drift(argv: Sequence[str]) -> list[str]:
-    """The drift problems of the checkout a training command line runs; nothing when the command runs no
-    sd-scripts script or the host is not importable here (the run checks again at ``prepare_network``)."""
+    """The drift findings of the checkout a training command line runs, on the args the script will run with (its
+    own ``setup_parser()`` on the command line and its training TOML); nothing when the command runs no sd-scripts
+    script, the host is not importable here (the run checks again at ``prepare_network``) or the command line does
+    not parse (the script says why)."""
     found = script_record(argv)
     if found is None:
         return []
@@ -39,11 +43,21 @@ def command_line_drift(argv: Sequence[str]) -> list[str]:
     with host_imports(root, HOST_PACKAGES):
         if importlib.util.find_spec(HOST_PACKAGES[0]) is None:
             return []
-        from ..kohya.selfcheck import drift_problems
-        from .selfcheck import CHECKED_AGAINST, standalone
+        from ..kohya.selfcheck import drift_problems, uncallable
+        from .selfcheck import CHECKED_AGAINST, SCHEDULER_HANDLE, standalone
 
         try:
-            checks = standalone(record, importlib.import_module(record.sampler[0]))
-        except (ImportError, AttributeError):
+            module, script = importlib.import_module(record.sampler[0]), importlib.import_module(record.script)
+        except ImportError:
             return []
+        try:
+            base = host_namespace(script.setup_parser(), trainer_arguments(argv))
+        except Exception as err:
+            return [uncallable(f"{record.script}.setup_parser", "the run's options for the self-check", err, CHECKED_AGAINST)]
+        if base is None:
+            return []
+        try:
+            checks = standalone(record, module, base)
+        except Exception as err:  # the host's scheduler class, the fixed input of the flow pieces
+            return [uncallable(".".join(SCHEDULER_HANDLE), "the self-check's fixed scheduler", err, CHECKED_AGAINST)]
         return drift_problems(checks, CHECKED_AGAINST)

@@ -25,8 +25,9 @@ route mean at cosine 1 − gap_i, D = 4 paired draws with noise of the signal's 
 Net = (routed saving − certification cost) / passes: the saving is what the written windows route over the passes
 after the probes (each bin's mass × 1 − the pass cost of the first stacked window that covers it, ``windows.stack_windows``),
 the cost is ``result.spent``; both in native-step equivalents of the FLOP model. ``reuse ARCH cost``: a second run of
-the same key that starts from the first run's ``all_safe`` windows file (``downscale_config`` = that ``windows.toml``,
-``mode = "train"``: nothing certified, cost 0); its net is those windows' saving alone.
+the same key (``mapping/reuse.py``: each run's windows are stored under its ``WindowsKey`` in a private cache folder
+and looked up again, as ``hosts/kohya/auto.py`` does): a hit certifies nothing, cost 0, and routes by the same
+windows (checked: the cached text is the first run's); its net is those windows' saving alone.
 """
 
 from __future__ import annotations
@@ -37,6 +38,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from collections.abc import Callable, Sequence
 
 import numpy as np
@@ -45,6 +47,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from downscale_plugin import __version__  # noqa: E402
 from downscale_plugin.arch import get_arch  # noqa: E402
 from downscale_plugin.bins import SigmaBins  # noqa: E402
 from downscale_plugin.config import load_config  # noqa: E402
@@ -53,8 +56,9 @@ from downscale_plugin.mapping.arms import Arm  # noqa: E402
 from downscale_plugin.mapping.certify import CertifyResult, Verdicts, run_certify, windows_toml  # noqa: E402
 from downscale_plugin.mapping.estimator import Cell, excess  # noqa: E402
 from downscale_plugin.mapping.in_run import in_run_setup, pass_costs  # noqa: E402
+from downscale_plugin.mapping.reuse import WindowsKey, lookup, sampler_fingerprint, store  # noqa: E402
 from downscale_plugin.mapping.safe_read import TRIM  # noqa: E402
-from downscale_plugin.mapping.windows import stack_windows  # noqa: E402
+from downscale_plugin.mapping.windows import stack_windows, utc_now  # noqa: E402
 from downscale_plugin.sigma import DdpmSampler, SigmaSampler  # noqa: E402
 
 PASSES, NATIVE_HW = 3000, (128, 128)
@@ -168,10 +172,20 @@ def one_run(arch: str, scenario: str, seed: int) -> dict:
     )
     later = PASSES - setup.settings.looks.last
     saving = routed_saving(result, mass, fractions, later)
-    second = load_config(plugin_toml=toml.loads(windows_toml(result)))  # a second run of the same key: mode "train", these windows
+    text = windows_toml(result)
+    key = WindowsKey(
+        f"sha256:bench-{arch}", arch, "networks.lora", 16, (f"{NATIVE_HW[0]}x{NATIVE_HW[1]}",),
+        sampler_fingerprint(SAMPLERS[arch], [NATIVE_HW]), "bench", __version__, tuple(a.ratio for a in setup.routes),
+        setup.bins.spec(), setup.settings.margin, setup.settings.looks.alpha,
+    )  # fmt: skip
+    with tempfile.TemporaryDirectory() as cache:  # the first run stores its windows; a second run of the same key finds them
+        store(key, text, result.spent, utc_now(), "benchmarks/bench_certify_economics.py", directory=cache)
+        hit = lookup(key, cache).entry
+    reuse_cost = 0.0 if hit is not None and hit.windows_text == text else math.nan
+    second = load_config(plugin_toml=toml.loads(text))
     return {"arch": arch, "scenario": scenario, "seed": seed, "spent": result.spent, "saving": saving, "net": saving - result.spent,
             "safe": [f"{t.route} {result.bins.label(t.bin)}" for t in result.safe_tests()], "reuse_rules": len(second.routes),
-            "reuse_cost": 0.0 if second.mode == "train" else math.nan, "notes": list(result.notes)}  # fmt: skip
+            "reuse_cost": reuse_cost, "notes": list(result.notes)}  # fmt: skip
 
 
 def revision() -> str:
@@ -200,7 +214,8 @@ def main() -> int:
             runs += cell
             summary[arch, scenario] = {k: float(np.mean([r[k] for r in cell])) for k in ("spent", "saving", "net")}
             summary[arch, scenario]["net_min"] = float(min(r["net"] for r in cell))
-            summary[arch, scenario]["reuse_cost"] = float(max(r["reuse_cost"] for r in cell))
+            costs = [r["reuse_cost"] for r in cell]  # NaN: a second run of the key found no windows
+            summary[arch, scenario]["reuse_cost"] = math.nan if any(math.isnan(c) for c in costs) else max(costs)
     print(
         f"# revision {revision()}; {PASSES} passes at {NATIVE_HW[0] * 8}², {args.seeds} certifier seeds per cell; native-step equivalents"
     )
@@ -210,7 +225,8 @@ def main() -> int:
     for arch in SAMPLERS:
         s = summary[arch, "all_safe"]
         print(
-            f"# reuse {arch}: a second run trains with the all_safe windows file, nothing certified: net {100 * s['saving'] / PASSES:+.2f} %"
+            f"# reuse {arch}: a second all_safe run finds the first one's windows under its key, certifies nothing: "
+            f"net {100 * s['saving'] / PASSES:+.2f} %"
         )
     for (arch, scenario), s in summary.items():
         line = f"net {arch} {scenario} = {100 * s['net'] / PASSES:+.2f} %"

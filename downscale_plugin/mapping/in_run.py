@@ -103,7 +103,10 @@ def unpaid_problem(cfg: DownscaleConfig, plan: Plan, bins: SigmaBins, passes: in
         cheaper = best.cost * 2 / cfg.certify.draws
         paid = f", paying from {probes + math.ceil(cheaper / best.value):.0f} passes" if best.value > 0 else ""
         would.append(f"a cheaper probe setting, certify_draws = 2 ({cheaper:.1f} per verdict{paid}; noisier estimates)")
-    would.append("a windows file certified once on this model and reused (downscale_config = an earlier auto run's windows.toml)")
+    would.append(
+        "a windows file certified once on this model and reused (the windows cache: an earlier auto run with this run's key, "
+        "or python -m downscale_plugin windows import FILE; or downscale_config = its windows.toml)"
+    )
     return f"certification cannot pay in this run: {text}. What would pay: {'; '.join(would)}"
 
 

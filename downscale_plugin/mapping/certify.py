@@ -496,36 +496,30 @@ class Certifier:
 
     # -- evidence -----------------------------------------------------------------------------------
 
-    def _image_cost(self, group: Sequence[BinTest]) -> float:
-        """One more image for the group: D native passes and D passes of each of its routes."""
-        return self.settings.draws * (1.0 + sum(self.source.cost(self._arm(t.route)) for t in group))
+    def _image_cost(self, route: Arm) -> float:
+        """One more image for a test of ``route``: D native passes and D of the route."""
+        return self.settings.draws * (1.0 + self.source.cost(route))
 
     def _need(self, route: Arm, images: int) -> float:
         """The evidence a test of ``route`` with ``images`` images still needs for a safe read."""
-        return max(self.settings.looks.first_safe - images, 0) * self._image_cost_of(route)
-
-    def _image_cost_of(self, route: Arm) -> float:
-        return self.settings.draws * (1.0 + self.source.cost(route))
+        return max(self.settings.looks.first_safe - images, 0) * self._image_cost(route)
 
     def _arm(self, name: str) -> Arm:
         return next(a for a in self.routes if a.name == name)
 
-    def _add_image(self, group: Sequence[BinTest]) -> bool:
-        """One more image for every test of the group (same bin, same count); False when over budget."""
-        b, k = group[0].bin, len(group[0].values)
-        image = self.order[b][k]
-        if self.spent + self._image_cost(group) > self.settings.budget:
+    def _add_image(self, t: BinTest) -> bool:
+        """One more image for ``t`` (the next of its bin's seeded order); False when over budget."""
+        arm, k = self._arm(t.route), len(t.values)
+        image = self.order[t.bin][k]
+        if self.spent + self._image_cost(arm) > self.settings.budget:
             return False
         sums = PairedSums()
-        self.source.draw_pairs(image, b, [self._arm(t.route) for t in group], sums.add)
-        self.spent += self.settings.draws
-        for t in group:
-            arm = self._arm(t.route)
-            t.values.append(sums.excess(t.route))
-            t.images.append(image)
-            t.cost += self.settings.draws * self.source.cost(arm)
-            self.spent += self.settings.draws * self.source.cost(arm)
-        self.progress(self.spent, f"{self.bins.label(b)} {'+'.join(t.route for t in group)} n={k + 1}")
+        self.source.draw_pairs(image, t.bin, [arm], sums.add)
+        t.values.append(sums.excess(t.route))
+        t.images.append(image)
+        t.cost += self.settings.draws * self.source.cost(arm)
+        self.spent += self._image_cost(arm)
+        self.progress(self.spent, f"{self.bins.label(t.bin)} {t.route} n={k + 1}")
         return True
 
     def _settle(self, t: BinTest) -> None:
@@ -534,7 +528,7 @@ class Certifier:
         while t.open:
             target = looks.next_look(len(t.values)) or len(t.values)
             while len(t.values) < target:
-                if not self._add_image([t]):
+                if not self._add_image(t):
                     self._end(t, BUDGET)
                     return
             t.bound = read(t.values, looks, self._level(t), self.settings.margin)
@@ -577,7 +571,7 @@ class Certifier:
         need, horizon, taken = self._need(p.route, images), self.settings.horizon, self._taken(p.bin)
         if p.saving <= taken or (horizon is not None and horizon * p.mass * (p.saving - taken) < need):
             return COST
-        if self.spent + (need if horizon is not None else self._image_cost_of(p.route)) > self.settings.budget:
+        if self.spent + (need if horizon is not None else self._image_cost(p.route)) > self.settings.budget:
             return BUDGET
         if horizon is not None and self.spent - self.won() + need > self.plan.stake + 1e-9:
             return STAKE

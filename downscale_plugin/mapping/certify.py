@@ -635,7 +635,16 @@ class Certifier:
     def _note_unfinished(self) -> None:
         for why, text in (
             (BUDGET, f"the budget of {self.settings.budget:g} native-step equivalents cannot finish them (not safe)"),
-            (COST, f"a safe window would not save its evidence back over the run's {self.settings.horizon or 0:g} later passes (not safe)"),
+            (
+                COST,
+                "a deeper route already routes the bin"
+                + (
+                    f", or a safe window would not save its evidence back over the run's {self.settings.horizon:g} later passes"
+                    if self.settings.horizon is not None
+                    else ""
+                )
+                + " (not safe)",
+            ),
             (
                 STAKE,
                 f"not started: it would put more than the plan's stake of {self.plan.stake:.1f} at risk, spent and not won back (not safe)",

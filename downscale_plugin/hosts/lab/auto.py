@@ -23,11 +23,14 @@ from ... import __version__
 from ...arch import get_arch
 from ...config import load_config
 from ...grid import target_grid
+from ...rng import plugin_logger
 from ...scope import Patches
 from ..kohya.backend import ProbeBackend
 from ..kohya.probes import probe_identity
 from ..sd_scripts.map import MapHook
 from ..sd_scripts.map_backend import split_batch
+
+logger = plugin_logger(__name__)
 
 if TYPE_CHECKING:
     from ...config import DownscaleConfig, RouteRule
@@ -80,6 +83,8 @@ class LabAutoSession:
                     )
         if problems:
             raise ValueError('mode = "auto":\n  - ' + "\n  - ".join(problems))
+        if self.skipped is not None:
+            logger.warning('downscale_plugin: mode = "auto": no certification, the run trains native: %s', self.skipped)
         self.probes: list[dict[str, Any]] = []
         self.seen: set[str] = set()  # probe_identity of every probe taken: a repeat is no new probe
         self.batches = 0

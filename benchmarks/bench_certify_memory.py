@@ -6,7 +6,7 @@ the route's grid when routed, noised with the step's ``randn_like`` noise (so th
 pooled to 4×4, projected to the width by a frozen matrix, then through the LoRA stack; the loss is
 the distance to half the clean latent's features (the noise is weak, so every bin ends safe). ``BackendDraws`` and ``run_certify`` run on it as on
 a host's backend (routes 0.875 and 0.75, D draws, a margin every bin passes, so the search visits all
-bins and every probe of each). At least 8 probes: below that the heavy-tail calibrated safe read has no finite
+bins and every probe of each with route 0.75, whose windows leave 0.875 nothing to route: it is not tested). At least 8 probes: below that the heavy-tail calibrated safe read has no finite
 critical value at this margin (``safe_read.safe_quantile`` at 4 probes and ε = 0.99 is +inf), so nothing
 certifies and the search stops at its first bins.
 

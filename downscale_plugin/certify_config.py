@@ -22,6 +22,9 @@ from .schema import check_fields, setting
 
 VAE_ARM_KEYS = ("map_reenc", "map_pixel")  # the map's VAE arms (mapping/arms.py: reenc, pixel_<r>); the host must drive its VAE
 DEFAULT_MAP_RATIOS = (0.875, 0.75, 0.5)
+# The margin ε a safe bin's bound must stay below, by default: the largest the lab's time-to-quality study
+# (docs/FIDELITY.md §10) found sooner than native, the only one of 0.05, 0.1, 0.2 whose windows were.
+DEFAULT_MARGIN = 0.2
 REUSE = ("on", "refresh", "off")  # certify_reuse: the windows cache of mode = "auto" (mapping/reuse.py)
 CERTIFY_UNPAID = ("skip", "refuse", "buy")  # certify_unpaid: what an auto run does with evidence it cannot pay back
 FOREIGN = ("error", "warn")
@@ -37,7 +40,7 @@ class MapConfig:
     bins: str = setting(DEFAULT_BINS, "bins", help="the map's σ bins")
     draws: int = setting(8, "int", (2, 4096), "noise draws per arm and bin (even)")
     images: int = setting(8, "int", (2, None), "probe samples from the run's first batches")
-    margin: float = setting(0.05, "float", (0.0, 1.0), "the margin ε a safe bin's upper bound must stay below")
+    margin: float = setting(DEFAULT_MARGIN, "float", (0.0, 1.0), "the margin ε a safe bin's upper bound must stay below")
     simultaneous: bool = setting(
         False, "bool", help="Bonferroni over every (route, bin) instead of chains from σ = 1 down (both family-wise)"
     )

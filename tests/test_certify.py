@@ -272,7 +272,7 @@ def test_bins_below_a_confirmed_unsafe_bin_are_pruned_and_spot_checked():
     mild, deep = latent_arm(0.875), latent_arm(0.5)
     gaps = {**_profile(mild.name, [0.005, 0.005, 0.3, 0.3, 0.3]), **_profile(deep.name, [0.3, 0.3, 0.3, 0.3, 0.3])}
     source = SyntheticDraws(gaps, 16, rho=0.9, seed=5, spread=0.005)  # images alike: the search's mechanics, not the bound's power
-    settings = CertifySettings(budget=10_000, spot_checks=1)
+    settings = CertifySettings(margin=0.05, budget=10_000, spot_checks=1)
     result = run_certify(source, [mild, deep], BINS, settings, mass=_by_bin(TOP_HEAVY))
     mild_rows = {t.bin: t for t in result.rows(mild)}
     assert [mild_rows[b].verdict for b in (4, 3)] == [SAFE, SAFE] and mild_rows[4].bound.n == 16  # safe on the whole pool
@@ -290,7 +290,7 @@ def test_a_safe_spot_check_below_the_edge_is_reported_and_never_routed():
     monotonicity violation in the notes and the result, and the windows TOML routes the top only."""
     gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
     source = SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005)
-    result = run_certify(source, [ROUTE], BINS, CertifySettings(budget=10_000, spot_checks=2), mass=_by_bin(TOP_HEAVY))
+    result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=2), mass=_by_bin(TOP_HEAVY))
     rows = {t.bin: t for t in result.rows(ROUTE)}
     assert rows[4].safe and rows[0].spot and rows[0].verdict == SPOT_SAFE and not rows[0].safe  # evidence, never a safe bin
     assert any("not monotone" in n and "not routed" in n for n in result.notes)
@@ -504,7 +504,7 @@ def test_spot_checks_are_reported_as_spot_checks_never_as_safe_bins():
 
 
 def _horizon_run(gaps: dict, horizon: float, budget: float = 1000.0, mass=lambda lo, hi: hi - lo, routes=(ROUTE,), seed: int = 9):
-    settings = CertifySettings(budget=budget, spot_checks=0, horizon=horizon)
+    settings = CertifySettings(margin=0.05, budget=budget, spot_checks=0, horizon=horizon)
     return run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=seed), list(routes), BINS, settings, mass=mass)
 
 
@@ -545,7 +545,7 @@ def test_a_futile_top_bin_keeps_the_routes_lower_bins():
     back what the futile test spent (a heavy lowest bin, tested first)."""
     gaps = _profile(ROUTE.name, [0.06, 0.005, 0.005, 0.005, 0.005])
     source = SyntheticDraws(gaps, 16, rho=0.9, seed=4, spread=0.005)
-    result = run_certify(source, [ROUTE], BINS, CertifySettings(budget=10_000, spot_checks=0), _by_bin(TOP_HEAVY))
+    result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=0), _by_bin(TOP_HEAVY))
     rows = {t.bin: t for t in result.rows(ROUTE)}
     assert rows[4].verdict == FUTILE and {b for b, t in rows.items() if t.safe} == {0, 1, 2, 3}
     masses = {4: 0.3, 3: 0.1, 2: 0.1, 1: 0.1, 0: 0.4}

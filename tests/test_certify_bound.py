@@ -155,5 +155,7 @@ def test_evidence_read_under_another_safe_rule_is_not_continued():
     path = Path(__file__).resolve().parent.parent / "docs" / "fidelity" / "certify" / "seed0" / "certify.json"
     blob = json.loads(path.read_text())
     routes = [latent_arm(r) for r in (0.875, 0.75, 0.5)]
-    problems = resume_problems(blob, CertifySettings(), parse_bins(DEFAULT_BINS), routes)
+    problems = resume_problems(
+        blob, CertifySettings(margin=blob["settings"]["margin"] if "settings" in blob else blob["margin"]), parse_bins(DEFAULT_BINS), routes
+    )
     assert len(problems) == 1 and problems[0].startswith("resume: looks is") and "safe_read" in problems[0]

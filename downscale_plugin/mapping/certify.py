@@ -54,6 +54,7 @@ import numpy as np
 import torch
 
 from ..bins import SigmaBins
+from ..certify_config import DEFAULT_MARGIN
 from ..rng import forked, seed_forked
 from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, param_grads
@@ -75,7 +76,7 @@ class CertifySettings:
     budget in native-step equivalents, the certifier's seed, the spot checks below each edge, and the
     passes the windows would serve (``horizon``; None: no pay rule, as in the ``certify`` command)."""
 
-    margin: float = 0.05
+    margin: float = DEFAULT_MARGIN
     draws: int = 4
     looks: Looks = field(default_factory=Looks)
     budget: float = 300.0

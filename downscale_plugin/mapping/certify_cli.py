@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from ..bins import DEFAULT_BINS, parse_bins
+from ..certify_config import DEFAULT_MARGIN
 from ..cli import fail, register
 from .arms import MapBackend, latent_arm
 
@@ -46,7 +47,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         group.add_argument(f"--{flag}", action="store_true", help=SOURCES[flag].help)
     parser.add_argument("--ratios", default="0.875,0.75,0.5", help="route linear ratios, comma-separated (default 0.875,0.75,0.5)")
     parser.add_argument("--bins", default=DEFAULT_BINS, help=f"σ bins, as for map (default {DEFAULT_BINS}, with the σ = 1 bin)")
-    parser.add_argument("--margin", type=float, default=0.05, help="ε: a bin is safe when its anytime-valid upper bound < ε (default 0.05)")
+    parser.add_argument(
+        "--margin",
+        type=float,
+        default=DEFAULT_MARGIN,
+        help=f"ε: a bin is safe when its anytime-valid upper bound < ε (default {DEFAULT_MARGIN:g})",
+    )
     parser.add_argument("--alpha", type=float, default=0.05, help="family-wise false-safe level over every route and bin (default 0.05)")
     parser.add_argument("--draws", type=int, default=4, help="paired draws per (image, bin), >= 2 (default 4)")
     parser.add_argument(

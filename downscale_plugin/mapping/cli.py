@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ..bins import DEFAULT_BINS, parse_bins
+from ..certify_config import DEFAULT_MARGIN
 from ..cli import fail, register
 from .arms import Arm, MapBackend, build_arms
 
@@ -84,7 +85,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="D: noise draws per arm and bin, even; >= 8 advised: halves of 1-2 draws make the debiasing unstable (default 8)",
     )
     parser.add_argument("--images", type=int, default=8, help="N: probe images (default 8)")
-    parser.add_argument("--margin", type=float, default=0.05, help="ε: a bin is safe when its upper bound < ε (default 0.05)")
+    parser.add_argument(
+        "--margin", type=float, default=DEFAULT_MARGIN, help=f"ε: a bin is safe when its upper bound < ε (default {DEFAULT_MARGIN:g})"
+    )
     parser.add_argument("--alpha", type=float, default=0.05, help="family-wise false-safe level over every arm and bin (default 0.05)")
     parser.add_argument(
         "--simultaneous",

@@ -42,6 +42,7 @@ from scipy import stats
 from tqdm.auto import tqdm
 
 from ..bins import SigmaBins
+from ..certify_config import DEFAULT_MARGIN
 from ..rng import forked, seed_forked
 from .arms import NATIVE_A, NATIVE_B, PLAIN, Arm, MapBackend, plain_sibling
 from .safe_read import TRIM, Family, safe_quantile
@@ -61,7 +62,7 @@ class MapSettings:
     units), false-safe ≤ ``alpha`` family-wise over every arm and bin (:func:`map_family`); ``simultaneous``:
     Bonferroni over them all instead of chains from σ = 1 down."""
 
-    margin: float = 0.05
+    margin: float = DEFAULT_MARGIN
     draws: int = 8
     images: int = 8
     seed: int = 0

@@ -4,7 +4,8 @@
     python benchmarks/bench_certify_economics.py --seeds 20 --out docs/fidelity/certify_economics
 
 A run of 3 000 single-sample passes at 1024² (latent 128×128), default settings (``in_run.in_run_setup`` on the default
-config: routes 0.875 / 0.75 / 0.5, the default bins, ε = 0.05, D = 4, looks 4/8/16, ``certify_budget`` 0.1), for
+config: routes 0.875 / 0.75 / 0.5, the default bins, the default ε (``certify_config.DEFAULT_MARGIN``), D = 4, looks
+4/8/16, ``certify_budget`` 0.1), for
 
 - ``flux``: route pass costs from the Flux step FLOP model (``arch.get_arch("flux").flops``, 0.747 / 0.547 / 0.273),
   σ from sd-scripts' ``flux_shift`` (μ = 1.15 at 4 096 packed tokens, the same law as ``shift`` 3.1582 there);
@@ -15,11 +16,11 @@ draw is the certifier's own (``run_certify`` over a :class:`SimulatedDraws`): pe
 route mean at cosine 1 − gap_i, D = 4 paired draws with noise of the signal's norm, the route's noise correlated
 ρ = 0.9 with the native's (paired noise, as ``tests/test_certify.py``). The per-image true gaps, per scenario:
 
-- ``all_safe``: every (route, bin) at ε/10 (gap_i ~ N(0.005, 0.002²), clipped at 0);
+- ``all_safe``: every (route, bin) at ε/10 (gap_i ~ N(ε/10, (ε/25)²), clipped at 0);
 - ``lab_like``: the lab's measured per-image excess (docs/fidelity/lab_n64_d8_n16 for 0.875 / 0.75, its pooled map for
   0.5: the maps of docs/FIDELITY.md §3), bin for bin, clipped to [0, TRIM]: only the top high-σ bins are safe;
-- ``none_safe``: every (route, bin) at 4 ε (gap_i ~ N(0.2, 0.05²));
-- ``borderline`` (printed as a comment, outside the contract): every (route, bin) under ε but spread (gap_i ~ N(0.03, 0.03²)),
+- ``none_safe``: every (route, bin) at 4 ε (gap_i ~ N(4ε, ε²));
+- ``borderline`` (printed as a comment, outside the contract): every (route, bin) under ε but spread (gap_i ~ N(0.6ε, (0.6ε)²)),
   where a test may run to its last look and end not safe (inconclusive): the plan's worst case.
 
 Net = (routed saving − certification cost) / passes: the saving is what the written windows route over the passes
@@ -119,11 +120,12 @@ def lab_gaps() -> dict[tuple[str, int], list[float]]:
     return out
 
 
-def scenario_gaps(name: str, seed: int) -> Callable[[str, int, int], float]:
+def scenario_gaps(name: str, seed: int, margin: float) -> Callable[[str, int, int], float]:
+    """Per-image true gaps of a scenario; the synthetic ones scale with the run's ε, the lab's are as measured."""
     if name == "lab_like":
         lab = lab_gaps()
         return lambda route, b, image: lab[route, b][image % len(lab[route, b])]
-    centre, spread = {"all_safe": (0.005, 0.002), "none_safe": (0.2, 0.05), "borderline": (0.03, 0.03)}[name]
+    centre, spread = (margin * c for c in {"all_safe": (0.1, 0.04), "none_safe": (4.0, 1.0), "borderline": (0.6, 0.6)}[name])
 
     def gap(route: str, b: int, image: int) -> float:
         rng = np.random.default_rng([seed, image, b, round(float(route.split("_")[-1]) * 1000), 0x6A9])
@@ -166,7 +168,7 @@ def one_run(arch: str, scenario: str, seed: int) -> dict:
     price = pass_costs(spec.flops, arch)
     fractions = {a.name: price(target_grid(NATIVE_HW, a.ratio, spec), NATIVE_HW) for a in setup.routes}
     mass = sampler_mass(arch)
-    source = SimulatedDraws(scenario_gaps(scenario, seed), fractions, setup.settings.looks.last, seed)
+    source = SimulatedDraws(scenario_gaps(scenario, seed, setup.settings.margin), fractions, setup.settings.looks.last, seed)
     result = run_certify(
         source, setup.routes, setup.bins, setup.settings, mass, provenance={"backend": {"arch": arch, "native_latent_hw": list(NATIVE_HW)}}
     )

@@ -153,6 +153,7 @@ def test_the_gpu_check_runs_end_to_end_on_cpu_and_writes_every_json(tmp_path):
     memory = json.loads((out / "certify_memory.json").read_text())
     rows = memory["rows"]
     assert sorted((r["probes"], r["bins"]) for r in rows) == [(8, 2), (8, 4), (16, 2), (16, 4)]
-    assert all(r["safe"] == r["tests"] == 2 * r["bins"] and r["host_bytes_per_param"] > 0 for r in rows)  # every bin of both routes safe
+    # every bin of route 0.75 safe; 0.875 listed but not run there (the deeper route's windows leave it nothing to route)
+    assert all(r["safe"] == r["bins"] and r["tests"] == 2 * r["bins"] and r["host_bytes_per_param"] > 0 for r in rows)
     lines = [line for line in (out / "certify_memory.log").read_text().splitlines() if "certify peak bytes/param = " in line]
     assert len(lines) == 4 and all(line.rsplit("= ", 1)[1].replace(".", "").isdigit() for line in lines)

@@ -16,7 +16,10 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
+import subprocess
+import sys
 import time
 from typing import Any
 
@@ -120,8 +123,13 @@ def main(argv: list[str] | None = None) -> int:
           f"[{100 * r['overhead_lo']:+.2f}, {100 * r['overhead_hi']:+.2f}] (bootstrap 95 %, {r['rounds']} alternating rounds)")  # fmt: skip
     print(f"the hook's own work: {r['hook_own_s'] * 1000:.2f} ms per step = {100 * r['hook_own_share']:.2f} % of a native step")
     if args.json:
+        head = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, cwd=os.path.dirname(__file__)).stdout.strip()
         with open(args.json, "w") as fh:
-            json.dump(r, fh, indent=1)
+            json.dump(
+                {**r, "code_revision": head or None, "command": "python benchmarks/bench_overhead.py " + " ".join(argv or sys.argv[1:])},
+                fh,
+                indent=1,
+            )
     return 0
 
 

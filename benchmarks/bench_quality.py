@@ -3,14 +3,16 @@
 Task (``lab/concept.py``): the pretrained lab DiT learns the "hatched posters", a concept it never
 saw (low-frequency layout and palette, plus a hatch and marks at the native latent grid's Nyquist
 period that no smaller grid can hold), captioned with a new text class. Validation: held-out posters
-only, ``--val_per_bucket`` crops per lab bucket × the four σ of ``VAL_SIGMAS`` ×
+only, ``--val_per_bucket`` crops per lab bucket × the σ of ``--val_sigmas`` ×
 ``--val_draws`` noise draws each, native grid; every item's loss is stored.
 
 Per seed, every arm is a twin of the native run (``hosts/lab/twin.py``: same adapter init, data
 order, σ draws and noise; a routed step gets the paired transform of the native draw), run to a
 compute budget in units of its native twin's training FLOPs over ``--steps`` steps (the project's
-FLOP model), validated when the FLOPs spent reach each 1/``--points`` of that unit. Routed arms run
-to 1.1 units (the control to 1): an arm more than 10 % slower than native to a target enters at its cap.
+FLOP model), validated when the FLOPs spent reach each 1/``--points`` of that unit. The learning
+rate follows the FLOPs spent (``--schedule cosine``, the default: to zero at one unit), so every arm
+stops at 1 unit and an arm that has not reached a target by then enters at 1 (a lower bound); under
+``--schedule constant`` routed arms run to 1.1 units.
 
 Read-offs per seed, from the monotone (non-increasing least-squares) fit of each validation curve:
 native's improvement is base − its fitted end (its plateau: the last quarter's share of the
@@ -69,7 +71,7 @@ ARMS = {
     "all0.5": ArmSpec(1.0, "every step at half the grid (positive control)"),
 }
 DEFAULT_ARMS = ("native", "eps0.05", "eps0.1", "eps0.2", "seed_recipe", "all0.5")
-VAL_SIGMAS = (0.1, 0.35, 0.6, 0.85)  # four σ, low σ (the concept's detail) weighed like the rest
+VAL_SIGMAS = "0.1,0.6"  # low σ (the concept's detail) weighed like the mid σ, where most of the gain and the control's loss are
 CONTROL = "all0.5"
 QUALITY_LEVELS = (0.75, 0.9, 1.0)
 EQUAL_COMPUTE = (0.5, 0.75, 1.0)
@@ -156,8 +158,18 @@ def stale_reason(run: dict[str, Any], now: dict[str, str | None]) -> str | None:
 
 def settings_of(args: argparse.Namespace) -> dict[str, Any]:
     """What a run's figures depend on besides the code: a stored run is reused only under the same settings."""
-    keys = ("task", "steps", "rank", "lr", "batch_size", "points", "val_per_bucket", "val_draws", "val_seed", "quick")
-    return {**{k: getattr(args, k) for k in keys}, "val_sigmas": list(VAL_SIGMAS)}
+    keys = ("task", "steps", "rank", "lr", "schedule", "batch_size", "points", "val_per_bucket", "val_draws", "val_seed", "quick")
+    return {**{k: getattr(args, k) for k in keys}, "val_sigmas": list(val_sigmas(args))}
+
+
+def val_sigmas(args: argparse.Namespace) -> tuple[float, ...]:
+    return tuple(float(s) for s in args.val_sigmas.split(","))
+
+
+def budget_of(arm: str, args: argparse.Namespace) -> float:
+    """The arm's budget in native FLOP units: under the cosine schedule the learning rate is zero from
+    1 on, so every arm stops there."""
+    return min(ARMS[arm].budget, 1.0) if args.schedule == "cosine" else ARMS[arm].budget
 
 
 def run_path(out: Path, arm: str, seed: int) -> Path:
@@ -181,7 +193,13 @@ class Lab:
         self.data = task_data(args.task, base)
         self.flop_model = FlopModel(*flop_shape(self.model_cfg))
         val_set = self.data.validation_set(per_bucket=args.val_per_bucket, seed=args.val_seed)
-        self.validate = lambda deltas: native_validation_losses(self.model, deltas, val_set, args.val_seed, VAL_SIGMAS, args.val_draws)
+        sigmas = val_sigmas(args)
+        self.base_items = native_validation_losses(self.model, None, val_set, args.val_seed, sigmas, args.val_draws)
+        # a fresh adapter's ΔW is zero (lora_B starts at 0): every run's first point is the base model's
+        self.validate = lambda deltas: (
+            self.base_items.clone() if all(not d.any() for d in deltas.values())
+            else native_validation_losses(self.model, deltas, val_set, args.val_seed, sigmas, args.val_draws)
+        )  # fmt: skip
 
 
 def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str, Any]:
@@ -190,14 +208,15 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str
 
     from downscale_plugin.config import load_config
     from downscale_plugin.hosts.lab.adapter import LabPlugin
-    from downscale_plugin.hosts.lab.twin import run_to_budget
+    from downscale_plugin.hosts.lab.twin import SCHEDULES, run_to_budget
 
     table = arm_table(arm)
     plugin = None if table is None else LabPlugin.for_lab(load_config(plugin_toml=table), lab.model_cfg, lab.data, args.batch_size)
     cpu_start = time.process_time()
     run = run_to_budget(
-        lab.model, lab.data, plugin, seed=seed, native_steps=args.steps, budget=ARMS[arm].budget, points=args.points,
+        lab.model, lab.data, plugin, seed=seed, native_steps=args.steps, budget=budget_of(arm, args), points=args.points,
         lr=args.lr, rank=args.rank, validate=lab.validate, flop_model=lab.flop_model, batch_size=args.batch_size,
+        schedule=SCHEDULES[args.schedule],
     )  # fmt: skip
     return {
         "arm": arm,
@@ -205,6 +224,7 @@ def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str
         "settings": settings_of(args),
         "code": code_state(),
         "table": table,
+        "budget": budget_of(arm, args),
         "threads": torch.get_num_threads(),
         "native_flops": run.native_flops,
         "curve": [
@@ -285,8 +305,9 @@ def summarize(runs: dict[tuple[str, int], dict[str, Any]], arms: list[str]) -> d
         seeds = sorted(s for (a, s) in runs if a == arm and s in natives)
         if not seeds:
             continue
-        entry: dict[str, Any] = {"seeds": len(seeds), "seed_list": seeds, "describe": ARMS[arm].describe, "budget": ARMS[arm].budget}
+        entry: dict[str, Any] = {"seeds": len(seeds), "seed_list": seeds, "describe": ARMS[arm].describe}
         rs = [runs[arm, s] for s in seeds]
+        entry["budget"] = rs[0].get("budget", ARMS[arm].budget)
         n_steps = rs[0]["settings"]["steps"]
         entry["routed_share"] = statistics.fmean(sum(i >= 0 for i in r["routed"]) / len(r["routed"]) if r["routed"] else 0.0 for r in rs)
         entry["flop_saving_per_step"] = statistics.fmean(
@@ -489,10 +510,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--task", default="concept", help="lab.concept.TASKS: concept (default) or corpus")
     parser.add_argument("--steps", type=int, default=400, help="the native run's steps: the budget's unit (default 400)")
     parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=5e-3)
+    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
+    parser.add_argument(
+        "--schedule",
+        default="cosine",
+        choices=("constant", "cosine"),
+        help="lr over the FLOPs spent ÷ the native unit: constant, or cosine to zero at 1 (every arm then stops at 1)",
+    )
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--points", type=int, default=16, help="validation points per native-run FLOPs (default 16)")
     parser.add_argument("--val_per_bucket", type=int, default=2, help="held-out crops per lab bucket (default 2)")
+    parser.add_argument("--val_sigmas", default=VAL_SIGMAS, help=f"comma-separated validation σ (default {VAL_SIGMAS})")
     parser.add_argument("--val_draws", type=int, default=2, help="noise draws per (crop, σ) (default 2)")
     parser.add_argument("--val_seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="quick pretrain (smoke runs only)")
@@ -589,14 +617,14 @@ def main(argv: list[str] | None = None) -> int:
     header = (
         f"lab DiT{' (quick pretrain)' if args.quick else ''} LoRA (rank {args.rank}, lr {args.lr:g}, B = {args.batch_size}) on the "
         f"'{args.task}' task; native {args.steps} steps; σ sampler shift 3.1582; twins per seed; validation at {args.points} points per "
-        f"native-run FLOPs on held-out images: {args.val_per_bucket} crops × 5 buckets × {len(VAL_SIGMAS)} σ × {args.val_draws} noise draws; "
+        f"native-run FLOPs on held-out images: {args.val_per_bucket} crops × 5 buckets × {len(val_sigmas(args))} σ × {args.val_draws} noise draws; "
         "CPU seconds at one torch thread"
     )
     code = code_state()
     summary.update(
         task={"name": args.task, "pretraining_overlap": args.task == "corpus",
               "validation": f"held-out {'posters' if args.task == 'concept' else 'crops'}: {args.val_per_bucket} crops per bucket × 5 buckets, "
-                            f"{len(VAL_SIGMAS)} σ {VAL_SIGMAS} × {args.val_draws} noise draws each, native grid, per-item losses stored"},
+                            f"{len(val_sigmas(args))} σ {val_sigmas(args)} × {args.val_draws} noise draws each, native grid, per-item losses stored"},
         code_revision=code["revision"] + (f"+{code['uncommitted']}" if code["uncommitted"] else ""),
         settings=settings_of(args),
         command="python benchmarks/bench_quality.py " + " ".join(argv),

@@ -275,3 +275,28 @@ def test_run_to_budget_validates_on_the_flop_grid(lab) -> None:
     assert len(routed.tokens_run) > 8 and len(routed.steps) == 1 + 6  # 6 quarters in 1.5 units
     marks = [k * native.native_flops / 4 for k in range(1, 7)]
     assert all(f >= m * (1 - 1e-9) for f, m in zip(routed.flops[1:], marks, strict=True))
+
+
+def test_schedule_follows_the_flops_spent_not_the_steps(lab) -> None:
+    """``run_to_budget``'s schedule is read at each step's FLOPs spent ÷ the native unit (a routed twin
+    decays over more, cheaper steps), from 0 at the first step; a zero schedule trains nothing."""
+    from downscale_plugin.hosts.lab.twin import cosine_decay, run_to_budget
+
+    model, data = lab
+    flop_model = FlopModel(*flop_shape(TINY))
+
+    def validate(deltas: dict) -> torch.Tensor:
+        return torch.tensor([float(sum(d.abs().sum() for d in deltas.values()))])
+
+    common = dict(seed=2, native_steps=8, points=4, lr=1e-2, rank=2, validate=validate, flop_model=flop_model, budget=1.0)
+    plugin = LabPlugin.for_lab(load_config(table={"arch": "flux", "routes": ROUTES}), TINY, data)
+    read: list[float] = []
+    routed = run_to_budget(model, data, plugin, schedule=lambda u: read.append(u) or 0.0, **common)
+    assert routed.val[-1] == 0.0  # lr × 0 from the first step on
+    spent = [sum(flop_model.flops(t) for t in routed.tokens_run[:k]) / routed.native_flops for k in range(len(routed.tokens_run) + 1)]
+    assert read == pytest.approx(spent)  # at construction (0 spent), then after each step, that step included
+    assert len(routed.tokens_run) > 8  # more steps than the native twin over the same schedule
+    assert cosine_decay(0.0) == 1.0 and cosine_decay(0.5) == pytest.approx(0.5) and cosine_decay(1.0) == cosine_decay(1.3) == 0.0
+    cosine = run_to_budget(model, data, None, schedule=cosine_decay, **common)
+    constant = run_to_budget(model, data, None, **common)
+    assert 0.0 < cosine.val[-1] < constant.val[-1]  # a decaying lr moves the adapter less

@@ -306,6 +306,7 @@ def train_lora(
     validate_if: Callable[[int], bool] | None = None,
     stop_if: Callable[[int], bool] | None = None,
     step_scope: StepScope | None = None,
+    lr_factor: Callable[[int], float] | None = None,
     clock: Callable[[], float] = time.perf_counter,
 ) -> LoraResult:
     """Train a LoRA on a copy of ``model`` (the caller's model is untouched).
@@ -323,7 +324,9 @@ def train_lora(
     than steps: ``steps`` is then the most it may run, and the plugin's spans still count it).
 
     ``step_scope(micro_step, batch)`` is entered around each micro-step's ``process_batch`` (a twin
-    A/B, ``hosts/lab/twin.py``, reseeds and pairs the step's noise there). ``clock`` times the steps
+    A/B, ``hosts/lab/twin.py``, reseeds and pairs the step's noise there). ``lr_factor(steps done)``
+    scales ``lr`` for the next step (``LambdaLR``, as the kohya hosts' schedulers do; default constant).
+    ``clock`` times the steps
     (``time.process_time`` at one thread: CPU seconds, which other jobs on the machine do not inflate).
     """
     alpha = float(rank if alpha is None else alpha)
@@ -342,7 +345,7 @@ def train_lora(
     if args.gradient_checkpointing:
         lora_model.transformer.enable_gradient_checkpointing()
     optimizer = torch.optim.AdamW(params, lr=lr)
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda _: 1.0)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_factor or (lambda _: 1.0))
     trainer, accelerator = LabTrainer(), LabAccelerator()
     noise_scheduler = make_noise_scheduler(args)
     text_encoder = LabTextEncoder(model.cfg)

@@ -110,6 +110,14 @@ def native_run_flops(data: Any, seed: int, steps: int, batch_size: int, flop_mod
     return sum(batch_size * flop_model.flops(image_tokens(*hw)) for hw in grids)
 
 
+def cosine_decay(progress: float) -> float:
+    """The cosine schedule's factor at ``progress`` (0 → 1) of the run, zero from 1 on."""
+    return 0.5 * (1.0 + math.cos(math.pi * min(max(progress, 0.0), 1.0)))
+
+
+SCHEDULES: dict[str, Callable[[float], float] | None] = {"constant": None, "cosine": cosine_decay}
+
+
 def run_to_budget(
     model: Any,
     data: Any,
@@ -124,6 +132,7 @@ def run_to_budget(
     validate: Callable[[dict], torch.Tensor],
     flop_model: FlopModel,
     batch_size: int = 1,
+    schedule: Callable[[float], float] | None = None,
     clock: Callable[[], float] = time.process_time,
 ) -> BudgetRun:
     """Train a twin until it has spent ``budget`` × its native twin's FLOPs over ``native_steps``,
@@ -131,18 +140,27 @@ def run_to_budget(
     is read on one FLOP grid; a native twin at budget 1 stops at exactly ``native_steps``).
 
     ``validate(deltas)`` returns per-item native-grid losses (``lab.trainer.native_validation_losses``
-    bound to the held-out set); a point's loss is their mean."""
+    bound to the held-out set); a point's loss is their mean. ``schedule(progress)`` scales ``lr``
+    by the FLOPs spent ÷ the native unit (not by steps), so every arm of a seed follows one learning-
+    rate curve over compute and an arm that spends less per step decays over more steps."""
     if budget <= 0 or points < 1 or native_steps < 1:
         raise ValueError(f"budget must be > 0, points and native_steps >= 1 (got {budget}, {points}, {native_steps})")
     out = BudgetRun(native_flops=native_run_flops(data, seed, native_steps, batch_size, flop_model))
     twin = TwinRun(seed, flop_model, batch_size)
     spent, next_point, last = [0.0], [1], budget * out.native_flops * (1 - 1e-12)
 
+    def tokens_of(step: int) -> int:
+        return twin.native_tokens[step] if plugin is None else plugin.trace[step].tokens_run
+
     def step_done(done: int) -> bool:
-        tokens = twin.native_tokens[done - 1] if plugin is None else plugin.trace[done - 1].tokens_run
-        out.tokens_run.append(tokens)
-        spent[0] += batch_size * flop_model.flops(tokens)
+        out.tokens_run.append(tokens_of(done - 1))
+        spent[0] += batch_size * flop_model.flops(out.tokens_run[-1])
         return spent[0] >= last
+
+    def lr_factor(done: int) -> float:
+        # called after step ``done``'s optimizer step, before ``step_done`` counts it
+        ahead = sum(batch_size * flop_model.flops(tokens_of(k)) for k in range(len(out.tokens_run), done))
+        return schedule((spent[0] + ahead) / out.native_flops)
 
     def at_point(done: int) -> bool:
         reached = spent[0] >= next_point[0] * out.native_flops / points * (1 - 1e-12)
@@ -162,6 +180,7 @@ def run_to_budget(
         model, data, steps=ceiling, lr=lr, rank=rank, seed=seed, batch_size=batch_size,
         hook_installer=None if plugin is None else plugin.installer, validate=record,
         validate_if=at_point, stop_if=step_done, step_scope=twin, clock=clock,
+        lr_factor=None if schedule is None else lr_factor,
     )  # fmt: skip
     out.step_seconds = list(result.step_times)
     elapsed = list(itertools.accumulate(result.step_times))

@@ -615,7 +615,7 @@ def main(argv: list[str] | None = None) -> int:
     runs = {k: v for k, v in load_runs(out).items() if k[0] in args.arm_list and k[1] in args.seed_list}
     summary = summarize(runs, args.arm_list)
     header = (
-        f"lab DiT{' (quick pretrain)' if args.quick else ''} LoRA (rank {args.rank}, lr {args.lr:g}, B = {args.batch_size}) on the "
+        f"lab DiT{' (quick pretrain)' if args.quick else ''} LoRA (rank {args.rank}, lr {args.lr:g} {args.schedule}, B = {args.batch_size}) on the "
         f"'{args.task}' task; native {args.steps} steps; σ sampler shift 3.1582; twins per seed; validation at {args.points} points per "
         f"native-run FLOPs on held-out images: {args.val_per_bucket} crops × 5 buckets × {len(val_sigmas(args))} σ × {args.val_draws} noise draws; "
         "CPU seconds at one torch thread"

@@ -1,11 +1,12 @@
 """Does ``mode = "auto"`` pay for itself? The real certifier on simulated draws, priced by the project's FLOP model.
 
-    python benchmarks/bench_certify_economics.py --out docs/fidelity/certify_economics > docs/fidelity/certify_economics/output.txt
+    python benchmarks/bench_certify_economics.py --out docs/fidelity/certify_economics
 
-(the stored figures' one command; 10 certifier seeds per cell, 2 archs × 6 scenarios: about 2 minutes on one CPU core,
-counts of the FLOP model, not wall time, so it may run beside other jobs). To run it on another revision's certifier,
-copy this file into that checkout's ``benchmarks/`` and run it there: it imports the package of the checkout it sits in
-and records that checkout's revision.
+(the stored figures' one command: it prints the output and writes it, output.txt, with economics.json; 10 certifier
+seeds per cell, 2 archs × 6 scenarios: about 4 minutes on one loaded CPU core; its figures are counts of the FLOP
+model, not wall time, so it may run beside other jobs). To run it on another revision's certifier, copy this file into
+that checkout's ``benchmarks/`` under a new (untracked) name and run it there: it imports the package of the checkout it
+sits in and records that checkout's revision.
 
 A run of 3 000 single-sample passes at 1024² (latent 128×128), default settings (``in_run.in_run_setup`` on the default
 config: routes 0.875 / 0.75 / 0.5, the default bins, the default ε (``certify_config.DEFAULT_MARGIN``), D = 4, looks
@@ -272,11 +273,43 @@ def revision() -> str:
         return "?"
 
 
+def report(summary: dict, seeds: int, rev: str) -> list[str]:
+    """The output's lines: per cell spent / saving / net, the oracle, the worst case, all_safe's grounding, then the
+    contract lines (``net ARCH SCENARIO = X %``, ``reuse ARCH cost = C``)."""
+    out = [
+        f"# revision {rev}; {PASSES} passes at {NATIVE_HW[0] * 8}², {seeds} certifier seeds per cell; native-step equivalents",
+        "# arch scenario: spent, routed saving, net (mean; worst seed)",
+    ]
+    out += [f"# {a} {c}: {s['spent']:.1f}, {s['saving']:.1f}, {s['net']:+.1f} (worst {s['net_min']:+.1f})" for (a, c), s in summary.items()]
+    out += [
+        f"# oracle {a} {c} = {100 * s['oracle'] / PASSES:+.2f} % (knowing each bin's mean excess, the same pay rule)"
+        for (a, c), s in summary.items()
+    ]
+    for arch in SAMPLERS:
+        w = summary[arch, "none_safe"]["worst_case"]
+        out.append(f"# worst case {arch} (the plan's stake) = {-w:.1f} ({-100 * w / PASSES:+.2f} %)")
+    bins = in_run_setup(load_config(table={"mode": "auto", "map_out": "unused"}), PASSES, 0).bins
+    out.append(
+        f"# all_safe grounding: the lab maps' lowest per-bin mean excess (all_safe: ε/10 = {0.1 * DEFAULT_MARGIN:g}): {grounding(bins)}"
+    )
+    out += [
+        f"# reuse {arch}: a second all_safe run finds the first one's windows under its key, certifies nothing: "
+        f"net {100 * summary[arch, 'all_safe']['saving'] / PASSES:+.2f} %"
+        for arch in SAMPLERS
+    ]
+    for (arch, scenario), s in summary.items():
+        line = f"net {arch} {scenario} = {100 * s['net'] / PASSES:+.2f} %"
+        out.append(line if scenario in CONTRACT else f"# {line} (outside the contract: gaps under ε, spread)")
+    out += [f"reuse {arch} cost = {summary[arch, 'all_safe']['reuse_cost']:g}" for arch in SAMPLERS]
+    return out
+
+
 def main() -> int:
     parser = argparse.ArgumentParser()
     parser.add_argument("--seeds", type=int, default=10, help="certifier seeds per (arch, scenario)")
-    parser.add_argument("--out", default=None, help="directory for economics.json (default: print only)")
+    parser.add_argument("--out", default=None, help="directory for output.txt and economics.json (default: print only)")
     args = parser.parse_args()
+    rev = revision()  # before anything is written: the outputs may be tracked files
     torch.set_num_threads(1)
     runs, summary = [], {}
     for arch in SAMPLERS:
@@ -287,36 +320,14 @@ def main() -> int:
             summary[arch, scenario]["net_min"] = float(min(r["net"] for r in cell))
             costs = [r["reuse_cost"] for r in cell]  # NaN: a second run of the key found no windows
             summary[arch, scenario]["reuse_cost"] = math.nan if any(math.isnan(c) for c in costs) else max(costs)
-    print(
-        f"# revision {revision()}; {PASSES} passes at {NATIVE_HW[0] * 8}², {args.seeds} certifier seeds per cell; native-step equivalents"
-    )
-    print("# arch scenario: spent, routed saving, net (mean; worst seed)")
-    for (arch, scenario), s in summary.items():
-        print(f"# {arch} {scenario}: {s['spent']:.1f}, {s['saving']:.1f}, {s['net']:+.1f} (worst {s['net_min']:+.1f})")
-    for (arch, scenario), s in summary.items():
-        print(f"# oracle {arch} {scenario} = {100 * s['oracle'] / PASSES:+.2f} % (knowing each bin's mean excess, the same pay rule)")
-    for arch in SAMPLERS:
-        w = summary[arch, "none_safe"]["worst_case"]
-        print(f"# worst case {arch} (the plan's stake) = {-w:.1f} ({-100 * w / PASSES:+.2f} %)")
-    bins = in_run_setup(load_config(table={"mode": "auto", "map_out": "unused"}), PASSES, 0).bins
-    print(
-        f"# all_safe grounding: the lab maps' lowest per-bin mean excess (all_safe: ε/10 = {0.1 * DEFAULT_MARGIN:g} at the default ε): {grounding(bins)}"
-    )
-    for arch in SAMPLERS:
-        s = summary[arch, "all_safe"]
-        print(
-            f"# reuse {arch}: a second all_safe run finds the first one's windows under its key, certifies nothing: "
-            f"net {100 * s['saving'] / PASSES:+.2f} %"
-        )
-    for (arch, scenario), s in summary.items():
-        line = f"net {arch} {scenario} = {100 * s['net'] / PASSES:+.2f} %"
-        print(line if scenario in CONTRACT else f"# {line} (outside the contract: gaps under ε, spread)")
-    for arch in SAMPLERS:
-        print(f"reuse {arch} cost = {summary[arch, 'all_safe']['reuse_cost']:g}")
+    lines = report(summary, args.seeds, rev)
+    print("\n".join(lines))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
+        with open(os.path.join(args.out, "output.txt"), "w") as fh:
+            fh.write("\n".join(lines) + "\n")
         with open(os.path.join(args.out, "economics.json"), "w") as fh:
-            json.dump({"revision": revision(), "command": "python " + " ".join(sys.argv), "passes": PASSES, "runs": runs,
+            json.dump({"revision": rev, "command": "python " + " ".join(sys.argv), "passes": PASSES, "runs": runs,
                        "summary": [{"arch": a, "scenario": s, **v} for (a, s), v in summary.items()]}, fh, indent=1)  # fmt: skip
     return 0
 

@@ -565,6 +565,58 @@ def test_after_a_failed_first_test_no_test_starts_that_would_risk_more_than_the_
     assert len(everything.safe_tests()) == 3 and everything.spent == pytest.approx(300.0)
 
 
+def _three_routes(gaps: dict, seed: int = 9):
+    """A run over routes 0.875 / 0.75 / 0.5 (stakes 113 / 100 / 80: each route's safe read), σ mass falling with σ."""
+    from downscale_plugin.mapping.certify import Certifier
+
+    routes = [latent_arm(0.875), latent_arm(0.75), latent_arm(0.5)]
+    settings = CertifySettings(margin=0.05, budget=1000.0, spot_checks=0, horizon=10_000.0)
+    certifier = Certifier(SyntheticDraws(gaps, 16, rho=0.9, seed=seed, spread=0.005), routes, BINS, settings, _by_bin(TOP_HEAVY))
+    certifier.run()
+    return certifier
+
+
+def test_a_deeper_routes_failure_blocks_no_milder_route():
+    """0.5 unsafe everywhere; 0.75 safe on the top two bins, 0.875 on the top three. The plan's first test, 0.5 on the top
+    bin, fails at its first look (20): that is 0.5's own loss, within its own stake (80), and stops no other route, so 0.75
+    certifies the top two bins and 0.875 the third (where 0.75 is unsafe); no test ends at ``stake``."""
+    mild, mid, deep = latent_arm(0.875), latent_arm(0.75), latent_arm(0.5)
+    gaps = {
+        **_profile(deep.name, [0.3] * 5),
+        **_profile(mid.name, [0.005, 0.005, 0.3, 0.3, 0.3]),
+        **_profile(mild.name, [0.005, 0.005, 0.005, 0.3, 0.3]),
+    }
+    run = _three_routes(gaps)
+    assert {(t.route, t.bin) for t in run.tests if t.safe} == {(mid.name, 4), (mid.name, 3), (mild.name, 2)}
+    assert STAKE not in {t.verdict for t in run.tests} and run.test(deep.name, 4).verdict == UNSAFE
+    assert run.plan.stakes == pytest.approx({mild.name: 64 * (1 + 0.875**2), mid.name: 100.0, deep.name: 80.0})
+
+
+@pytest.mark.parametrize("seed", [1, 2, 3])
+def test_each_route_loses_at_most_its_own_stake_and_the_run_at_most_their_sum(seed):
+    """Nothing safe, gaps under ε but spread (tests may read to their last look): each route's spend not won back by its own
+    windows stays within its stake, and the run's loss within the plan's worst case (the stakes' sum, within the budget);
+    a route whose first test fails starts no second one."""
+    routes = (latent_arm(0.875), latent_arm(0.75), latent_arm(0.5))
+    gaps = {key: g for r in routes for key, g in _profile(r.name, [0.045, 0.3, 0.3, 0.3, 0.3]).items()}
+    run = _three_routes(gaps, seed=seed)
+    for r in routes:
+        assert run.spent_on.get(r.name, 0.0) - run.won(r.name) <= run.plan.stakes[r.name] + 1e-9
+        assert [t.bin for t in run.tests if t.route == r.name and t.values] == [4]  # its first test only
+    assert run.spent - run.won() <= run.plan.stake == pytest.approx(sum(run.plan.stakes.values()))
+
+
+def test_a_run_refuses_looks_that_read_safe_before_the_last():
+    """In a run a test may spend no more than its safe read (the stake): a safe read before the last look is refused, by key."""
+    from downscale_plugin.mapping.certify import settings_problems
+
+    early = Looks(safe_from=8)
+    assert settings_problems(CertifySettings(looks=early)) == []  # the certify command has no stake
+    assert any(
+        p.startswith("looks: safe_from 8 before the last look 16") for p in settings_problems(CertifySettings(looks=early, horizon=100.0))
+    )
+
+
 def test_the_plan_orders_by_saving_per_cost_and_names_its_best_and_worst_case():
     from downscale_plugin.bins import parse_bins as bins_of
     from downscale_plugin.mapping.certify import plan_tests
@@ -579,10 +631,14 @@ def test_the_plan_orders_by_saving_per_cost_and_names_its_best_and_worst_case():
     assert [(t.route.name, t.bin) for t in plan.paying] == [(deep.name, 1), (deep.name, 0), (mild.name, 1)]  # 0.3 × 0.234 × 1000 < 113
     run, spent, saving = plan.best_case()  # deep safe in both bins: the mild route's window would never fire
     assert [(t.route.name, t.bin) for t in run] == [(deep.name, 1), (deep.name, 0)] and spent == pytest.approx(160.0)
-    assert saving == pytest.approx(1000 * 0.75) and plan.stake == pytest.approx(80.0)
+    assert saving == pytest.approx(1000 * 0.75) and plan.stakes == pytest.approx({deep.name: 80.0, mild.name: 113.0})
+    assert plan.stake == pytest.approx(193.0)  # each route's stake is its own: the worst case is their sum
     text = "\n".join(plan.lines(bins, 1016))
-    assert "best case" in text and "net +590.0" in text and "worst case: net -80.0" in text and "break-even" in text
-    assert "expected spend: 20.0 if the first test is clearly not safe (its first look), 160.0 if every test is safe" in text
+    assert "best case" in text and "net +590.0" in text and "break-even" in text
+    assert "worst case: net -193.0 (-19.00 %): every route's stake lost (latent_0.5 80.0, latent_0.875 113.0)" in text
+    assert "expected spend: 48.2 if every route's first test is clearly not safe (its first look), 160.0 if every test is safe" in text
+    held = plan_tests([mild, deep], bins, CertifySettings(budget=150.0, horizon=1000.0), mass, lambda arm: arm.ratio**2)
+    assert held.stake == pytest.approx(150.0) and "held to the budget 150" in "\n".join(held.lines(bins, 1016))
 
 
 def _scoped(backend: dict) -> tuple[list[dict], str]:

@@ -26,9 +26,11 @@ the certifier spends evidence only where a verdict is still open and worth havin
 - **Only evidence that can pay** (in a training run, ``CertifySettings.horizon`` = the passes the
   windows would serve): a test runs only if its window, safe, saves back over the horizon the evidence
   it still needs (``cost`` otherwise), if that evidence fits what is left of the budget (``budget``;
-  each test on its own), and if what is spent and not yet won back by safe windows, plus it, stays
-  within the plan's stake, the first test's safe read (``stake``): the run's worst case. A safe spot
-  check is reported as ``spot-safe``, never as a safe bin.
+  each test on its own), and if what its route has spent and not yet won back by its own safe windows,
+  plus it, stays within the route's stake, one safe read of the route (``stake``): each route risks
+  its own stake and no route's failure stops another's tests, so the run's worst case is the sum of
+  the stakes, within the budget (``Plan.stake``). A safe spot check is reported as ``spot-safe``,
+  never as a safe bin.
 
 Cost model: a native pass (one forward+backward at the native grid) is 1; a route pass counts its
 token fraction (h_r·w_r)/(h·w) of the grids actually run (= r² on the lab's default grids); the
@@ -65,7 +67,7 @@ from .windows import measured_tiers, probe_header, render_windows, stack_windows
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
 COST = "cost"  # a test whose window could not save what its remaining evidence costs (a run's horizon)
-STAKE = "stake"  # a test not started: it would put more at risk than the plan's stake (spent and not won back)
+STAKE = "stake"  # a test not started: its route would have more at risk than the route's stake (spent and not won back)
 UNFINISHED = (BUDGET, COST, STAKE)  # verdicts of tests that may get more evidence in a later run (``certify_resume``)
 SPOT_SAFE = "spot-safe"  # a spot check below its route's edge whose bound read safe: a violation, never a window
 
@@ -95,6 +97,11 @@ def settings_problems(s: CertifySettings) -> list[str]:
         problems.append(f"budget: {s.budget} native-step equivalents must be > 0")
     if s.spot_checks < 0:
         problems.append(f"spot_checks: {s.spot_checks} must be >= 0")
+    if s.horizon is not None and s.looks.first_safe != s.looks.last:
+        problems.append(
+            f"looks: safe_from {s.looks.first_safe} before the last look {s.looks.last}: in a run (a horizon) a test may read "
+            "safe only at its last look, so that a safe read is all the evidence it can spend (the stake)"
+        )
     return problems
 
 
@@ -374,11 +381,22 @@ class Plan:
         return [t for t in self.tests if self.pays(t)]
 
     @property
+    def stakes(self) -> dict[str, float]:
+        """Each route's stake, the most its tests may have at risk (spent and not yet won back by its own safe windows):
+        the safe read of its first paying test (a route's tests all cost the same), the cheapest way to learn whether the
+        route certifies at all; routes whose safe read the budget cannot hold never start and have none. A route's
+        stake is its own: another route's failure never stops its tests."""
+        out: dict[str, float] = {}
+        for t in self.paying:
+            if t.cost <= self.budget:
+                out.setdefault(t.route.name, t.cost)
+        return out
+
+    @property
     def stake(self) -> float:
-        """The most a run's certification may have at risk (spent and not yet won back by safe windows): the first
-        paying test's safe verdict, the cheapest way to learn whether the model certifies at all."""
-        first = next(iter(self.paying), None)
-        return 0.0 if first is None else first.cost
+        """The run's worst case (spent and never won back): every route's stake lost, its first test read to its last
+        look and not safe; never more than the budget."""
+        return min(math.fsum(self.stakes.values()), self.budget)
 
     def best_case(self) -> tuple[list[Planned], float, float]:
         """Were every test safe: the tests run (in order, within the budget, none a deeper safe route makes
@@ -394,12 +412,14 @@ class Plan:
         return run, spent, (self.horizon or 0.0) * sum(gain.values())
 
     def summary(self) -> dict[str, Any]:
-        """What ``certify.json`` records of the plan: its order, horizon, stake and best case."""
+        """What ``certify.json`` records of the plan: its order, horizon, stakes (the run's worst case and each route's) and
+        best case."""
         run, spent, saving = self.best_case()
         return {
             "order": [[t.route.name, t.bin] for t in self.tests],
             "horizon": self.horizon,
             "stake": self.stake,
+            "stakes": self.stakes,
             "best_case": {"tests": len(run), "spend": spent, "routed_saving": saving},
         }
 
@@ -408,19 +428,22 @@ class Plan:
         paying = self.paying
         if self.horizon is None or not paying:
             return []
-        first = paying[0]
+        first, stakes = paying[0], self.stakes
         run, spent, saving = self.best_case()
+        worst = "" if self.stake == math.fsum(stakes.values()) else f", held to the budget {self.budget:.0f}"
         return [
             f"plan: {len(paying)} of {len(self.tests)} (route, σ bin) tests can pay back over the run's {self.horizon:g} later passes, "
             f"best saving per cost first; first {first.route.name} {bins.label(first.bin)} (σ mass {first.mass:.3f}: saves "
             f"{self.horizon * first.value:.1f} if safe, costs {first.cost:.1f})",
-            f"  expected spend: {first.cost * self.first_look:.1f} if the first test is clearly not safe (its first look), "
-            f"{spent:.1f} if every test is safe; break-even: a safe first test pays its cost back after "
+            f"  expected spend: {math.fsum(stakes.values()) * self.first_look:.1f} if every route's first test is clearly not safe "
+            f"(its first look), {spent:.1f} if every test is safe; break-even: a safe first test pays its cost back after "
             f"{first.cost / first.value:.0f} later passes",
             f"  best case (every test safe, {len(run)} within the budget {self.budget:.0f}): spend {spent:.1f}, routed saving "
             f"{saving:.1f}, net {saving - spent:+.1f} ({pct_of(saving - spent, passes)} of the run)",
-            f"  worst case: net {-self.stake:.1f} ({pct_of(-self.stake, passes)}): the first test read to its last look and not "
-            "safe; a further test starts only while what is spent and not won back by safe windows stays within that stake",
+            f"  worst case: net {-self.stake:.1f} ({pct_of(-self.stake, passes)}): every route's stake lost "
+            f"({', '.join(f'{name} {cost:.1f}' for name, cost in stakes.items())}{worst}), its first test read to its last look "
+            "and not safe; a route's further test starts only while what the route has spent and not won back by its own safe "
+            "windows stays within its stake, whatever the other routes lose",
         ]
 
 
@@ -477,6 +500,7 @@ class Certifier:
         self.prior = {(t.route, t.bin, t.spot): t for t in prior}
         self.notes: list[str] = []
         self.spent = 0.0
+        self.spent_on: dict[str, float] = {}  # each route's share of ``spent`` (its tests' natives included): its stake's ledger
         self.plan = plan_tests(self.routes, bins, settings, mass, source.cost)
 
     def _mass(self, b: int) -> float:
@@ -520,6 +544,7 @@ class Certifier:
         t.images.append(image)
         t.cost += self.settings.draws * self.source.cost(arm)
         self.spent += self._image_cost(arm)
+        self.spent_on[t.route] = self.spent_on.get(t.route, 0.0) + self._image_cost(arm)
         self.progress(self.spent, f"{self.bins.label(t.bin)} {t.route} n={k + 1}")
         return True
 
@@ -554,9 +579,21 @@ class Certifier:
         """The saving per routed pass a route already safe in bin ``b`` gives it (the deepest: its rule comes first)."""
         return max((1.0 - self.source.cost(self._arm(t.route)) for t in self.tests if t.safe and t.bin == b), default=0.0)
 
-    def won(self) -> float:
-        """What the safe windows so far save over the horizon (0 without one)."""
-        return (self.settings.horizon or 0.0) * sum(self._mass(b) * self._taken(b) for b in range(len(self.bins)))
+    def won(self, route: str | None = None) -> float:
+        """What the safe windows so far save over the horizon (0 without one); ``route``: its own windows' share.
+
+        A bin's saving (its deepest safe route's: that rule comes first) is shared by increments: each route safe there
+        is credited what it saves beyond the milder routes safe there. The shares add up to the bin's saving, and a share
+        once won is never taken back, since in a run a milder route is not tested on a bin a deeper one is safe on."""
+        total = 0.0
+        for b in range(len(self.bins)):
+            safe = sorted((1.0 - self.source.cost(self._arm(t.route)), t.route) for t in self.tests if t.safe and t.bin == b)
+            below = 0.0
+            for saving, name in safe:
+                if route is None or name == route:
+                    total += self._mass(b) * (saving - below)
+                below = saving
+        return (self.settings.horizon or 0.0) * total
 
     def _blocked(self, p: Planned) -> str | None:
         """Why the planned test gets no evidence now; None: run it.
@@ -565,7 +602,8 @@ class Certifier:
         its window would not save back the evidence it still needs (its own bin's mass only, less what a deeper safe
         route takes there). ``budget``: in a run, that evidence does not fit what is left of the budget (without a
         horizon, not even one more image does: the ``certify`` command may leave a test open for a later run to
-        continue). ``stake``: in a run, it would put more at risk than the plan's stake (spent and not yet won back).
+        continue). ``stake``: in a run, its route would have more at risk than the route's stake (what the route has spent
+        and not yet won back by its own safe windows, plus this evidence): a route's failure blocks no other route.
         """
         started = self.test(p.route.name, p.bin)
         images = len(started.values) if started is not None else 0
@@ -574,7 +612,8 @@ class Certifier:
             return COST
         if self.spent + (need if horizon is not None else self._image_cost(p.route)) > self.settings.budget:
             return BUDGET
-        if horizon is not None and self.spent - self.won() + need > self.plan.stake + 1e-9:
+        route = p.route.name
+        if horizon is not None and self.spent_on.get(route, 0.0) - self.won(route) + need > self.plan.stakes.get(route, 0.0) + 1e-9:
             return STAKE
         return None
 
@@ -648,7 +687,9 @@ class Certifier:
             ),
             (
                 STAKE,
-                f"not started: it would put more than the plan's stake of {self.plan.stake:.1f} at risk, spent and not won back (not safe)",
+                "not started: its route would have more than its stake at risk, spent and not won back by its own windows (stakes: "
+                + ", ".join(f"{name} {cost:.1f}" for name, cost in self.plan.stakes.items())
+                + "; not safe)",
             ),
         ):
             names = [f"{t.route} {self.bins.label(t.bin)}" for t in self.tests if t.verdict == why]

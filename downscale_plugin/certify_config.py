@@ -67,7 +67,8 @@ class CertifyConfig:
         0,
         "int",
         (0, 16),
-        "bins tested below each route's edge after the search: a σ-monotonicity check that spends budget and never opens a window",
+        "pruned bins (between two of a route's bins confirmed unsafe) tested after the search: a one-hump check that spends budget "
+        "and never opens a window",
     )
     resume: str | None = setting(
         None, "str", help="a certify.json of an earlier run on the same model: its evidence is continued, not redone"

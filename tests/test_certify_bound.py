@@ -16,6 +16,7 @@ import torch
 from downscale_plugin.bins import parse_bins
 from downscale_plugin.mapping.arms import NATIVE_A, NATIVE_B, Arm, latent_arm
 from downscale_plugin.mapping.estimator import Cell, MapResult, MapSettings, summarize
+from downscale_plugin.mapping.safe_read import SEARCH_SHARE
 from downscale_plugin.mapping.sequential import SAFE, Family, Looks, paired_excess, read, safe_quantile, verdict
 from downscale_plugin.mapping.windows import stack_windows
 
@@ -59,10 +60,10 @@ def test_family_levels_split_alpha_over_chains_and_pass_on_down_safe_runs():
 
 
 def test_two_chains_through_one_key_add_their_levels_and_each_passes_its_own_part_its_own_way():
-    """A route's bins 0-3 in two chains (σ = 1 down and the lowest bin up, α/2 each): a key's level is the sum of its
-    two chains' parts; a safe key passes each part along its own chain; all unsafe, the levels sum to α."""
+    """A route's bins 0-3 in two chains (σ = 1 down and the lowest bin up, α/2 each here): a key's level is the sum of
+    its two chains' parts; a safe key passes each part along its own chain; all unsafe, the levels sum to α."""
     down, up = [3, 2, 1, 0], [0, 1, 2, 3]
-    family = Family.both_ends([(down, up)], 0.05)
+    family = Family([down, up], 0.05, shares=[0.5, 0.5])
     half = 0.025
     assert family.keys == down
     assert family.level(0) == pytest.approx(half * 0.05 + half * 0.8)  # last of the first chain, head of the second
@@ -79,11 +80,22 @@ def test_two_chains_through_one_key_add_their_levels_and_each_passes_its_own_par
     assert family.level(2) == pytest.approx(0.05)
     with pytest.raises(ValueError, match="settled already"):
         family.settle(0, False)
-    everything = Family.both_ends([(down, up), ([7, 6], [6, 7])], 0.05)
+    everything = Family([down, up, [7, 6], [6, 7]], 0.05, shares=[0.5] * 4)
     for key in (3, 0, 6):
         everything.settle(key, False)  # not safe: nothing passes
     assert sum(everything.level(k) for k in everything.keys) == pytest.approx(0.05)
     assert everything.level(7) == pytest.approx(0.0125 * 0.8 + 0.0125 * 0.2)  # a route's part, split over its two chains
+
+
+def test_both_ends_gives_the_search_chain_its_share_of_each_routes_alpha():
+    """``Family.both_ends``: α over the routes, :data:`SEARCH_SHARE` of a route's part to its search chain, the rest to
+    the chain from its lowest bin up (the top bin heads the first, the lowest bin the second)."""
+    down, up = [3, 2, 1, 0], [0, 1, 2, 3]
+    family = Family.both_ends([(down, up), ([7, 6], [6, 7])], 0.05)
+    route = 0.025
+    assert family.level(3) == pytest.approx(route * (SEARCH_SHARE * 0.8 + (1 - SEARCH_SHARE) * 0.05))
+    assert family.level(0) == pytest.approx(route * (SEARCH_SHARE * 0.05 + (1 - SEARCH_SHARE) * 0.8))
+    assert sum(family.level(k) for k in family.keys) == pytest.approx(0.05)
 
 
 def test_the_levels_of_the_truly_unsafe_keys_never_sum_past_alpha_whatever_the_truly_safe_ones_are():
@@ -197,7 +209,8 @@ def test_the_maps_family_certifies_a_low_sigma_window_from_evidence_safe_only_th
     rng = np.random.default_rng(3)
     values = np.where(np.arange(len(bins))[:, None] < 4, 0.002, 0.5) * rng.uniform(0.8, 1.2, (len(bins), 16))
     rows = summarize(_cells(values, len(bins)), arms, bins, MapSettings(margin=0.05, draws=8, images=16))
-    assert [r.bin for r in rows if r.safe] == [0, 1, 2, 3] and rows[0].level >= 0.02  # bin 0 heads the chain from below
+    assert [r.bin for r in rows if r.safe] == [0, 1, 2, 3]
+    assert rows[0].level >= 0.05 * (1 - SEARCH_SHARE) * 0.8  # bin 0 heads the chain from below
     result = MapResult(bins, arms, MapSettings(margin=0.05, draws=8, images=16), rows, [])
     assert [w.text() for w in stack_windows(result).windows] == ["(0, 0.1)"]
 

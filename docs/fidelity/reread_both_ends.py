@@ -7,8 +7,8 @@ at its level in the family (``estimator.read_family``, to a fixed point). The pr
 - *σ = 1 down*: one fallback chain per route from σ = 1 down, α split equally over the routes (the procedure before);
 - *both ends*: ``estimator.map_family``, the code's: per route that chain and one from its lowest bin up,
   ``safe_read.SEARCH_SHARE`` of the route's α to the first;
-- *both ends, search 0.9*: the same two chains with 0.9 of a route's α to the chain from σ = 1 down (the split's
-  sensitivity on this evidence; not the code's).
+- *both ends, search 0.5*: the same two chains with half of a route's α to each (the plain split; its cost on
+  this evidence is why the code's is 0.9; not the code's).
 
 Routed steps and FLOPs saved per step: the stacked windows as ``scale`` rules, ``plan_table`` at batch 1 with Flux's
 FLOP model at 1024² (latent 128×128) under two σ laws: the lab trainer's (``shift``, discrete_flow_shift 3.1582, as
@@ -49,7 +49,7 @@ def families(result: MapResult) -> dict[str, Family]:
     return {
         "σ = 1 down": Family([down for down, _ in pairs], alpha),
         "both ends": map_family(result.arms, result.bins, result.settings),
-        "both ends, search 0.9": Family([c for pair in pairs for c in pair], alpha, shares=[0.9, 0.1] * len(pairs)),
+        "both ends, search 0.5": Family([c for pair in pairs for c in pair], alpha, shares=[0.5, 0.5] * len(pairs)),
     }
 
 

@@ -68,7 +68,6 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from downscale_plugin import __version__  # noqa: E402
 from downscale_plugin.arch import get_arch  # noqa: E402
 from downscale_plugin.bins import SigmaBins  # noqa: E402
 from downscale_plugin.certify_config import DEFAULT_MARGIN  # noqa: E402
@@ -78,7 +77,7 @@ from downscale_plugin.mapping.arms import Arm  # noqa: E402
 from downscale_plugin.mapping.certify import CertifyResult, Verdicts, run_certify, windows_toml  # noqa: E402
 from downscale_plugin.mapping.estimator import Cell, excess  # noqa: E402
 from downscale_plugin.mapping.in_run import in_run_setup, pass_costs  # noqa: E402
-from downscale_plugin.mapping.reuse import WindowsKey, lookup, sampler_fingerprint, store  # noqa: E402
+from downscale_plugin.mapping.reuse import WindowsKey, certifier_code, entry_of, lookup, sampler_fingerprint, store  # noqa: E402
 from downscale_plugin.mapping.safe_read import TRIM  # noqa: E402
 from downscale_plugin.mapping.windows import stack_windows, utc_now  # noqa: E402
 from downscale_plugin.sigma import DdpmSampler, SigmaSampler  # noqa: E402
@@ -243,13 +242,14 @@ def one_run(arch: str, scenario: str, seed: int) -> dict:
     saving = routed_saving(result, mass, fractions, later)
     text = windows_toml(result)
     key = WindowsKey(
-        f"sha256:bench-{arch}", arch, "networks.lora", 16, (f"{NATIVE_HW[0]}x{NATIVE_HW[1]}",),
-        sampler_fingerprint(SAMPLERS[arch], [NATIVE_HW]), "bench", __version__, tuple(a.ratio for a in setup.routes),
-        setup.bins.spec(), setup.settings.margin, setup.settings.looks.alpha,
+        f"sha256:bench-{arch}", "none", arch, "networks.lora", 16, (f"{NATIVE_HW[0]}x{NATIVE_HW[1]}",),
+        sampler_fingerprint(SAMPLERS[arch], [NATIVE_HW]), "none", "bench", "none", certifier_code(),
+        tuple(a.ratio for a in setup.routes), setup.bins.spec(), setup.settings.margin, setup.settings.looks.alpha,
     )  # fmt: skip
     with tempfile.TemporaryDirectory() as cache:  # the first run stores its windows; a second run of the same key finds them
-        store(key, text, result.spent, utc_now(), "benchmarks/bench_certify_economics.py", directory=cache)
-        hit = lookup(key, cache).entry
+        store(entry_of(key, result, text, result.spent, utc_now(), "benchmarks/bench_certify_economics.py"), cache)
+        horizon = math.inf if setup.settings.horizon is None else setup.settings.horizon
+        hit = lookup(key, cache, horizon, setup.settings.budget).entry
     reuse_cost = 0.0 if hit is not None and hit.windows_text == text else math.nan
     second = load_config(plugin_toml=toml.loads(text))
     oracle = oracle_net(gaps, setup, fractions, mass, setup.settings.looks.last, later)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import math
 
 import pytest
 import toml
@@ -15,19 +16,22 @@ from test_sd_scripts_map import steps  # noqa: F401  # the fixture recording eac
 
 from downscale_plugin.__main__ import main
 from downscale_plugin.mapping import reuse
-from downscale_plugin.mapping.reuse import EntryError, WindowsKey, file_hash, lookup, read_entry, store
+from downscale_plugin.mapping.reuse import Entry, EntryError, WindowsKey, file_hash, lookup, read_entry, store
 
 pytestmark = pytest.mark.usefixtures("host_doubles", "cheap_plan", "token_costs")
 
 KEY = WindowsKey(
     model="sha256:" + "ab" * 32,
+    encoders="clip_l=sha256:11; t5xxl=sha256:22; ae=sha256:33",
     arch="flux",
     network="networks.lora_flux",
     rank=16,
     buckets=("128x128", "96x128"),
     sampler="σ deciles at 128x128: 0.1 0.2",
+    loss="loss_type='l2', min_snr_gamma=None",
     host="sd-scripts",
-    version="0.2.0",
+    host_revision="sha256:0123456789abcdef",
+    code="sha256:fedcba9876543210",
     ratios=(0.5, 0.75),
     bins="0,0.5,1",
     margin=0.05,
@@ -42,7 +46,10 @@ CHANGED = {
     "buckets": ("128x128",),
     "sampler": "σ deciles at 128x128: 0.1 0.3",
     "host": "musubi-tuner",
-    "version": "0.3.0",
+    "encoders": "clip_l=sha256:11; t5xxl=sha256:99; ae=sha256:33",
+    "loss": "loss_type='huber', min_snr_gamma=None",
+    "host_revision": "sha256:1123456789abcdef",
+    "code": "sha256:0edcba9876543210",
     "ratios": (0.5,),
     "bins": "0,0.25,0.5,1",
     "margin": 0.1,
@@ -55,7 +62,8 @@ def test_every_key_field_changes_the_digest_and_is_named():
     for name, value in CHANGED.items():
         other = dataclasses.replace(KEY, **{name: value})
         assert other.digest() != KEY.digest(), name
-        assert other.differences(KEY) == [f"{name}: cached {getattr(KEY, name)!r}, this run {getattr(other, name)!r}"]
+        assert other.differences(KEY)[0].startswith(f"{name}: cached {getattr(KEY, name)!r}, this run {getattr(other, name)!r}")
+        assert len(other.differences(KEY)) == 1
     # order carries no meaning: the same buckets and ratios listed otherwise are the same key
     assert dataclasses.replace(KEY, buckets=("96x128", "128x128", "96x128"), ratios=(0.75, 0.5)).digest() == KEY.digest()
 
@@ -76,8 +84,12 @@ def test_file_hash_is_the_whole_files_sha256_remembered_per_size_and_mtime(tmp_p
     assert memo[str(model.resolve())]["size"] == (3 << 20) + 1
 
 
+def _entry(windows=WINDOWS, cost=41.5, key=KEY, outcome="safe", horizon=2000.0, budget=300.0, date="2026-12-05T07:00:00Z"):
+    return Entry(key, cost, date, "test", windows, outcome, horizon, budget, "0.2.0")
+
+
 def test_store_then_lookup_hits_and_a_mismatch_names_the_nearest_entrys_fields(tmp_path):
-    path = store(KEY, WINDOWS, 41.5, "2026-12-05T07:00:00Z", "test", str(tmp_path))
+    path = store(_entry(), str(tmp_path))
     hit = lookup(KEY, str(tmp_path))
     assert hit.entry is not None and hit.entry.path == path and hit.entry.cost == 41.5 and hit.entry.windows_text == WINDOWS
     other = dataclasses.replace(KEY, rank=32, buckets=("128x128",))
@@ -90,12 +102,12 @@ def test_store_then_lookup_hits_and_a_mismatch_names_the_nearest_entrys_fields(t
 
 def test_windows_that_a_literal_string_cannot_hold_round_trip_quoted():
     text = "# a note with ''' in it\n" + WINDOWS
-    entry = reuse.Entry(KEY, 1.0, "d", "", text)
+    entry = _entry(text)
     assert toml.loads(entry.render())["windows"] == text
 
 
 def _entry_doc(**changes):
-    doc = toml.loads(read_entry(store(KEY, WINDOWS, 1.0, "d", "", "/tmp/reuse_entry_doc")).render())
+    doc = toml.loads(read_entry(store(_entry(), "/tmp/reuse_entry_doc")).render())
     for dotted, value in changes.items():
         table, _, name = dotted.rpartition(".")
         holder = doc[table] if table else doc
@@ -109,7 +121,14 @@ def _entry_doc(**changes):
 @pytest.mark.parametrize(
     ("changes", "message"),
     [
-        ({"format": "other"}, "format: 'other' (allowed: 'downscale-plugin windows 1')"),
+        ({"format": "other"}, "format: 'other' (allowed: 'downscale-plugin windows 2')"),
+        ({"format": "downscale-plugin windows 1"}, "format: 'downscale-plugin windows 1' is an older plugin's entry"),
+        ({"outcome": "fine"}, "outcome: 'fine' (allowed: safe, none_safe, stake, budget, horizon)"),
+        ({"outcome": "stake"}, "outcome: 'stake' (no safe window), but the windows open 1 route(s)"),
+        ({"horizon": -1}, "horizon: -1 must be a number >= 0 (inf: none)"),
+        ({"budget": None}, "budget: missing"),
+        ({"windows_digest": None}, "windows_digest: missing"),
+        ({"key.bins": "0,2"}, "key.bins: '0,2' must be σ bins"),
         ({"key.model": None}, "key.model: missing"),
         ({"key.rank": "16"}, "key.rank: '16' must be an integer"),
         ({"key.buckets": ["128"]}, "key.buckets: ['128'] must be an array of latent grids \"HxW\""),
@@ -134,7 +153,7 @@ def test_an_invalid_windows_file_is_refused_naming_the_key(tmp_path, changes, me
 
 def test_export_import_round_trip_through_the_cli(tmp_path, capsys):
     mine, theirs = str(tmp_path / "mine"), str(tmp_path / "theirs")
-    store(KEY, WINDOWS, 41.5, "2026-12-05T07:00:00Z", "test", mine)
+    store(_entry(), mine)
     assert main(["windows", "--cache", mine, "list"]) == 0
     listed = capsys.readouterr().out
     assert KEY.digest() in listed and "flux" in listed and "41.5" in listed
@@ -142,6 +161,10 @@ def test_export_import_round_trip_through_the_cli(tmp_path, capsys):
     assert main(["windows", "--cache", mine, "export", KEY.digest()[:6], str(shared)]) == 0
     assert WINDOWS in shared.read_text()  # the windows read as written, not as one escaped string
     assert main(["windows", "--cache", theirs, "import", str(shared)]) == 0
+    shown = capsys.readouterr().out  # the provenance, before it is stored
+    assert f"key {KEY.digest()}: flux on sd-scripts (host revision {KEY.host_revision})" in shown
+    assert "certified 2026-12-05T07:00:00Z by test (plugin 0.2.0) for 41.5 native-step equivalents; ended 'safe'" in shown
+    assert "windows: 1024:512 (0.5, 1]" in shown
     hit = lookup(KEY, theirs)
     assert hit.entry is not None and hit.entry.windows_text == WINDOWS and hit.entry.cost == 41.5
     plugin = tmp_path / "windows.toml"
@@ -149,12 +172,12 @@ def test_export_import_round_trip_through_the_cli(tmp_path, capsys):
     assert plugin.read_text() == WINDOWS
     # other windows under the same key are not replaced silently
     other = tmp_path / "other.toml"
-    store(KEY, WINDOWS.replace("0.5\n", "0.6\n"), 1.0, "d", "", str(tmp_path / "third"))
+    store(_entry(WINDOWS.replace("sigma_min = 0.5", "sigma_min = 0.0"), 1.0), str(tmp_path / "third"))
     other.write_text((tmp_path / "third" / f"{KEY.digest()}.toml").read_text())
     assert main(["windows", "--cache", theirs, "import", str(other)]) == 2
     assert "--replace" in capsys.readouterr().err
     assert main(["windows", "--cache", theirs, "import", "--replace", str(other)]) == 0
-    assert "sigma_min = 0.6" in lookup(KEY, theirs).entry.windows_text
+    assert "sigma_min = 0.0" in lookup(KEY, theirs).entry.windows_text
     assert main(["windows", "--cache", theirs, "remove", KEY.digest()]) == 0 and lookup(KEY, theirs).entry is None
 
 
@@ -182,13 +205,14 @@ def model(tmp_path):
 
 
 def test_a_second_auto_run_with_the_same_key_reuses_the_windows_at_zero_cost(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
+    calls = steps("flux")  # spied from the first run on: a changed host function is another key (host_revision)
     first = _run(tmp_path / "a", model, network_dim=4)
     certified = first.network.downscale_run.cfg.routes
     entries = list(windows_cache.glob("*.toml"))
     assert certified and len(entries) == 1
     entry = read_entry(str(entries[0]))
     assert entry.key.model.startswith("sha256:") and entry.key.rank == 4 and entry.key.host == "sd-scripts" and entry.cost > 0
-    calls = steps("flux")
+    calls.clear()
     with caplog.at_level(logging.INFO):
         second = _run(tmp_path / "b", model, network_dim=4)
     run = second.network.downscale_run
@@ -206,8 +230,9 @@ def test_a_second_auto_run_with_the_same_key_reuses_the_windows_at_zero_cost(tmp
 
 
 def test_a_key_mismatch_recertifies_and_names_the_fields(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
+    calls = steps("flux")  # spied from the first run on: a changed host function is another key (host_revision)
     _run(tmp_path / "a", model, network_dim=4)
-    calls = steps("flux")
+    calls.clear()
     with caplog.at_level(logging.INFO):
         _run(tmp_path / "b", model, network_dim=8, map_margin=0.9)
     assert [shape for shape, _ in calls if shape[0] == 1]  # the certifier drew its probes again
@@ -216,8 +241,9 @@ def test_a_key_mismatch_recertifies_and_names_the_fields(tmp_path, model, window
 
 
 def test_reuse_off_neither_reads_nor_writes_the_cache(tmp_path, model, windows_cache, steps):  # noqa: F811
+    calls = steps("flux")  # spied from the first run on: a changed host function is another key (host_revision)
     _run(tmp_path / "a", model, network_dim=4)
-    calls = steps("flux")
+    calls.clear()
     _run(tmp_path / "b", model, network_dim=4, certify_reuse="off")
     assert [shape for shape, _ in calls if shape[0] == 1] and len(list(windows_cache.glob("*.toml"))) == 1
 
@@ -246,9 +272,10 @@ def test_musubi_wan22_keys_both_experts_and_reuses_at_zero_cost(tmp_path, window
 
 def test_a_resumed_run_routes_by_its_states_windows_not_the_cache(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
     """``--resume`` of a state saved after the certification: the state's windows route it (and say so), as without a cache."""
+    calls = steps("flux")  # spied from the first run on: a changed host function is another key (host_revision)
     _run(tmp_path / "a", model, network_dim=4, save_state=True, save_every_n_steps=8, output_dir=str(tmp_path / "a" / "out"))
     state = tmp_path / "a" / "out" / "last-step00000008-state"
-    calls = steps("flux")
+    calls.clear()
     with caplog.at_level(logging.INFO):
         _run(tmp_path / "b", model, network_dim=4, resume=str(state), skip_until_initial_step=True)
     assert "windows cache: not read by a resumed run" in caplog.text
@@ -280,11 +307,191 @@ def test_an_unwritable_cache_costs_the_reuse_not_the_run(tmp_path, model, caplog
 
 
 def test_the_adapters_own_network_args_are_keyed_the_plugins_are_not(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
+    calls = steps("flux")  # spied from the first run on: a changed host function is another key (host_revision)
     _run(tmp_path / "a", model, network_dim=4)
-    calls = steps("flux")
+    calls.clear()
     _run(tmp_path / "b", model, network_dim=4, network_args=["ds_gate=coupled"])  # a plugin key: the same key
     assert [s for s, _ in calls if s[0] == 1] == []
     with caplog.at_level(logging.INFO):
         _run(tmp_path / "c", model, network_dim=4, network_args=["conv_dim=4", "ds_gate=coupled"])
     assert "network: cached 'networks.lora_flux', this run 'networks.lora_flux (conv_dim=4)'" in caplog.text
+    assert [s for s, _ in calls if s[0] == 1]
+
+
+# -- no frozen failures, a key that names what the windows depend on, integrity, one certification at a time ----------
+
+EMPTY = 'arch = "flux"\nwindows_margin = 0.05\nenable = false\n'
+
+
+def test_a_provisional_failure_is_reused_only_by_a_run_that_cannot_buy_more(tmp_path):
+    store(_entry(EMPTY, outcome="stake", horizon=1000.0, budget=100.0), str(tmp_path))
+    for horizon, budget in ((1000.0, 100.0), (500.0, 50.0)):  # nothing more to buy: its verdict stands, at cost 0
+        hit = lookup(KEY, str(tmp_path), horizon, budget)
+        assert hit.entry is not None and "this run could buy no more" in hit.reason
+    longer = lookup(KEY, str(tmp_path), 2000.0, 100.0)
+    assert (
+        longer.entry is None
+        and "a longer horizon (this run 2000 later passes, the cached certification 1000 later passes)" in longer.reason
+    )
+    larger = lookup(KEY, str(tmp_path), 1000.0, 150.0)
+    assert larger.entry is None and "a larger budget (this run 150.0, the cached certification 100.0" in larger.reason
+    assert lookup(KEY, str(tmp_path), math.inf, 100.0).entry is None  # no pay rule (certify_unpaid = "buy") buys more than any horizon
+    store(_entry(EMPTY, outcome="none_safe", horizon=1000.0, budget=100.0), str(tmp_path))  # every test read to its verdict
+    assert lookup(KEY, str(tmp_path), math.inf, 1e9).entry is not None
+
+
+def test_the_certifier_code_is_the_source_of_its_modules_read_at_run_time(tmp_path, monkeypatch):
+    module = tmp_path / "reuse_probe_module.py"
+    module.write_text("X = 1\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    before = reuse.certifier_code(("reuse_probe_module",))
+    assert before == reuse.certifier_code(("reuse_probe_module",)) != reuse.certifier_code()
+    module.write_text("X = 2\n")
+    reuse.certifier_code.cache_clear()
+    assert reuse.certifier_code(("reuse_probe_module",)) != before
+    assert set(reuse.CERTIFIER_MODULES) >= {
+        f"downscale_plugin.mapping.{m}" for m in ("certify", "sequential", "safe_read", "estimator", "paired", "windows")
+    }
+
+
+def test_an_entry_is_used_only_as_certified_inside_its_keys_routes_and_bins(tmp_path):
+    path = tmp_path / "entry.toml"
+    doc = toml.loads(_entry().render())
+    widened = WINDOWS.replace("sigma_min = 0.5", "sigma_min = 0.0")  # (0.5, 1] widened to (0, 1] by hand
+    path.write_text(toml.dumps({**doc, "windows": widened}))
+    with pytest.raises(EntryError) as err:
+        read_entry(str(path))
+    assert f"{path} (key {KEY.digest()})" in str(err.value) and "windows_digest:" in str(err.value) and "edited?" in str(err.value)
+    for windows, message in (
+        (
+            WINDOWS.replace("1024:512", "1024:256"),
+            "windows: route 1 (1024:256 (0.5, 1]): ratio 0.25 is not one of the key's ratios [0.75, 0.5]",
+        ),
+        (WINDOWS.replace("1024:512", "2048:1024"), "tier 2048 px is not a tier of the key's buckets (887, 1024 px)"),
+        (WINDOWS.replace("sigma_min = 0.5", "sigma_min = 0.4"), "sigma_min 0.4 is not an edge of the key's bins 0,0.5,1"),
+    ):  # a digest recomputed to match: the windows must still be ones this key's certification could write
+        path.write_text(toml.dumps({**doc, "windows": windows, "windows_digest": reuse.windows_digest(windows)}))
+        with pytest.raises(EntryError) as err:
+            read_entry(str(path))
+        assert message in str(err.value)
+    assert main(["windows", "--cache", str(tmp_path / "cache"), "import", str(path)]) == 2 and not (tmp_path / "cache").exists()
+
+
+def test_an_old_format_entry_is_a_miss_that_says_so_never_a_crash(tmp_path):
+    doc = toml.loads(_entry().render())
+    doc["format"] = "downscale-plugin windows 1"
+    (tmp_path / f"{KEY.digest()}.toml").write_text(toml.dumps(doc))
+    found = lookup(KEY, str(tmp_path))
+    assert found.entry is None and "1 entry of an older plugin's format not read" in found.reason
+
+
+def test_one_certification_per_key_at_a_time(tmp_path):
+    first, second = reuse.KeyLock(KEY, str(tmp_path)), reuse.KeyLock(KEY, str(tmp_path))
+    assert first.acquire() and not second.acquire() and not second.wait(0.05, poll=0.01)
+    first.release()
+    assert second.acquire()
+    second.release()
+
+
+def test_a_failure_is_not_frozen_a_run_that_can_buy_more_certifies_again(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
+    calls = steps("flux")
+    short = {
+        "network_dim": 4,
+        "map_margin": 1e-9,
+        "map_ratios": [0.5, 0.75],
+        "certify_budget": 0.25,
+    }  # nothing safe at ε ≈ 0, the budget ends the search
+    _run(tmp_path / "a", model, **short)
+    (path,) = windows_cache.glob("*.toml")
+    entry = read_entry(str(path))
+    assert entry.outcome == "budget" and entry.budget == pytest.approx(48.0) and entry.key.code.startswith("sha256:")
+    calls.clear()
+    _run(tmp_path / "b", model, **short)  # the same run could buy no more: the verdict stands, at cost 0
+    assert [s for s, _ in calls if s[0] == 1] == []
+    with caplog.at_level(logging.INFO):
+        _run(tmp_path / "c", model, **{**short, "certify_budget": 0.5})
+    assert [s for s, _ in calls if s[0] == 1]
+    assert "this run can buy more evidence: a larger budget (this run 96.0, the cached certification 48.0" in caplog.text
+    assert read_entry(str(path)).budget == pytest.approx(96.0)
+
+
+def test_a_stale_key_recertifies_naming_the_field(tmp_path, model, windows_cache, steps, caplog, monkeypatch):  # noqa: F811
+    """Loss settings, the text encoders' and VAE's files and the host's functions are keyed: each change re-certifies."""
+    calls = steps("flux")
+    ae = tmp_path / "ae.safetensors"
+    ae.write_bytes(b"ae" * 100)
+    _run(tmp_path / "a", model, network_dim=4, ae=str(ae))
+    assert read_entry(str(next(windows_cache.glob("*.toml")))).key.encoders == f"ae={file_hash(str(ae))}"
+    flux = trainer_class("flux")
+    original = flux.get_noise_pred_and_target
+    for name, change, field in (
+        ("loss", lambda: {"guidance_scale": 1.0}, "loss: cached"),
+        ("ae", lambda: ae.write_bytes(b"AE" * 100) and {}, "encoders: cached 'ae=sha256:"),
+        (
+            "host",
+            lambda: monkeypatch.setattr(flux, "get_noise_pred_and_target", lambda *a, **k: original(*a, **k)) or {},
+            "host_revision: cached",
+        ),
+    ):
+        calls.clear()
+        caplog.clear()
+        with caplog.at_level(logging.INFO):
+            _run(tmp_path / name, model, network_dim=4, ae=str(ae), **change())
+        assert [s for s, _ in calls if s[0] == 1], name  # the certifier drew its probes again
+        assert field in caplog.text, name
+
+
+def test_an_edited_entry_is_refused_and_the_run_certifies_anew(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
+    calls = steps("flux")
+    _run(tmp_path / "a", model, network_dim=4, certify_budget=0.25)  # the budget buys one safe bin: the window (0.5, 1)
+    (path,) = windows_cache.glob("*.toml")
+    doc = toml.loads(path.read_text())
+    routes = toml.loads(doc["windows"])
+    assert [r["sigma_min"] for r in routes["routes"]] == [0.5]
+    for route in routes["routes"]:  # every window widened by hand to (0, 1]
+        route["sigma_min"] = 0.0
+        route.pop("sigma_max", None)
+    doc["windows"] = toml.dumps(routes)
+    path.write_text(toml.dumps(doc))
+    calls.clear()
+    with caplog.at_level(logging.INFO):
+        run = _run(tmp_path / "b", model, network_dim=4, certify_budget=0.25)
+    assert [s for s, _ in calls if s[0] == 1]  # not routed by the edited windows: certified anew
+    assert "the cached entry is refused, certifying anew" in caplog.text and "windows_digest:" in caplog.text
+    assert [r.sigma_min for r in run.network.downscale_run.cfg.routes] == [0.5]
+
+
+def test_a_second_run_of_a_key_being_certified_waits_for_its_windows(tmp_path, model, windows_cache, steps, caplog, monkeypatch):  # noqa: F811
+    calls = steps("flux")
+    _run(tmp_path / "a", model, network_dim=4)
+    (path,) = windows_cache.glob("*.toml")
+    key = read_entry(str(path)).key
+    aside = tmp_path / "aside.toml"
+    path.rename(aside)
+    other = reuse.KeyLock(key, str(windows_cache))  # the first run, still certifying
+    assert other.acquire()
+    wait = reuse.KeyLock.wait
+
+    def finishes_meanwhile(self, seconds, poll=0.5):
+        aside.rename(path)  # the first run writes its entry and lets go while this one waits
+        other.release()
+        return wait(self, seconds, poll)
+
+    monkeypatch.setattr(reuse.KeyLock, "wait", finishes_meanwhile)
+    calls.clear()
+    with caplog.at_level(logging.INFO):
+        run = _run(tmp_path / "b", model, network_dim=4)
+    assert "another run of this key is certifying it now" in caplog.text and "routing by it from train batch" in caplog.text
+    assert [s for s, _ in calls if s[0] == 1] == []  # the probes were taken, no draw was
+    assert json.loads(run.network.downscale_run.extra_metadata["ss_downscale_map"])["method"] == "reused"
+    monkeypatch.setattr(reuse.KeyLock, "wait", wait)
+    monkeypatch.setattr(reuse, "LOCK_WAIT_S", 0.05)
+    path.rename(aside)
+    assert other.acquire()  # a first run still certifying past the wait: this one certifies anew, and says so
+    calls.clear()
+    caplog.clear()
+    with caplog.at_level(logging.INFO):
+        _run(tmp_path / "c", model, network_dim=4)
+    other.release()
+    assert "the other run certifying this key is still running after 0 s; certifying anew" in caplog.text
     assert [s for s, _ in calls if s[0] == 1]

@@ -2,10 +2,13 @@
 
 Timeline (one process; docs/FIDELITY.md §9 has the method):
 
-0. The session keys the run (``mapping/reuse.py``: the base model files' sha256, adapter, rank, buckets, σ law, host,
-   version, routes, bins, ε, α). Windows cached under that key route the run from its first step, at no cost, and
-   nothing below happens; otherwise the banner names the nearest cached key's differing fields, and step 4 caches
-   what this run certifies.
+0. The session keys the run (``mapping/reuse.py``: the base model files' and the text encoders' and VAE's sha256,
+   adapter, rank, buckets, σ law, loss settings, host and the source of its functions the plugin calls, the certifier's
+   code, routes, bins, ε, α). Windows cached under that key route the run from its first step, at no cost, and
+   nothing below happens (a cached certification that ended with no safe window for want of stake, budget or horizon
+   only while this run could not buy more either); otherwise the banner says why (the nearest cached key's differing
+   fields, or what this run can buy), the run takes the key's lock (another run certifying it: this one waits for its
+   windows when its probes are in, ``reuse.LOCK_WAIT_S``), and step 4 caches what this run certifies.
 1. The host's ``start`` builds the session (a host's subclass of :class:`AutoSession`). The run has no routes, so its first steps are native,
    bitwise the host's. What the run already shows (several processes, a ratio with no smaller grid,
    fewer train batches than the 16 probes need, a ``certify_resume`` file for other settings or another model) stops
@@ -34,6 +37,7 @@ assumes); a later run continues the evidence with ``certify_resume``.
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from typing import Any
@@ -49,7 +53,7 @@ from ...rng import plugin_logger
 from ...text import pct, route_rows
 from .conventions import split_network_args
 from .probes import ProbeSession
-from .run import DownscaleRun, version
+from .run import DownscaleRun
 
 logger = plugin_logger(__name__)
 
@@ -63,6 +67,11 @@ class AutoSession(ProbeSession):
 
     mode = "auto"
     host = ""  # the host's name in a windows key (a host's subclass says)
+    # The plugin's host-side modules a certification's draws run through, added to the certifier's code identity
+    # (reuse.certifier_code): the probes' backend, the σ mass a bin is worth (this module); a host adds its own.
+    code_modules: tuple[str, ...] = ("downscale_plugin.hosts.kohya.backend", "downscale_plugin.hosts.kohya.probes", __name__)
+    loss_args: tuple[str, ...] = ()  # the host's args that change the gradient a step takes (a host's subclass says)
+    no_encoders = "none"  # the key's encoders when the run names no text encoder or VAE file (a host's subclass says why)
 
     def __init__(self, run: DownscaleRun, ctx: Any, family: Any, buckets: Any, record: Any):
         self.refuse_missing_packages(run)  # before the certifier's import needs them
@@ -80,38 +89,66 @@ class AutoSession(ProbeSession):
         self.started = time.perf_counter()
         self.plan: Any = None  # the certifier's plan at start (``in_run.start_plan``), when the buckets give the routes' costs
         self.skipped: str | None = None  # why no test can pay: the run trains native
+        self.reads_cache = False  # the run reads the cache (certify_reuse = "on", not resumed)
+        self.waiting = False  # another run holds the key's lock: wait for its windows when the probes are in
         self.key, self.reused, self.cache_text = self.consult_cache()
         if self.reused is None:  # reused windows need no probe, budget or evidence
             self.refuse(self.problems())
+        self.lock = self.claim()
         run.scalar_extra.append(self.scalars)
 
     # -- the windows cache (mapping/reuse.py) ----------------------------------------------------
 
     def windows_key(self, cache: str) -> Any:
-        """This run's :class:`~downscale_plugin.mapping.reuse.WindowsKey`: the base model files' sha256 (read once
-        per file, remembered in ``cache``), the adapter module with its own ``network_args`` and ``network_dim``, the buckets, the σ law of the
-        host's sampler, the host, the plugin's version and what is certified (routes, bins, ε, α)."""
-        from ...mapping.reuse import WindowsKey, file_hash, sampler_fingerprint
+        """This run's :class:`~downscale_plugin.mapping.reuse.WindowsKey`: the base model files' and the text encoders'
+        and VAE's sha256 (read once per file, remembered in ``cache``), the adapter module with its own ``network_args``
+        and ``network_dim``, the buckets, the σ law of the host's sampler, the loss settings, the host and the source of
+        its functions the plugin calls, the certifier's code and what is certified (routes, bins, ε, α)."""
+        from ...mapping.reuse import WindowsKey, certifier_code, file_hash, sampler_fingerprint, source_digest
 
         args = self.ctx.args
         dim = getattr(args, "network_dim", None)
         grids = [tuple(hw) for hw in self.buckets.latent_buckets]
         given = dict(a.split("=", 1) for a in getattr(args, "network_args", None) or [] if "=" in a)  # as the trainers split them
         inner = sorted(f"{k.strip()}={v}" for k, v in split_network_args(given)[1].items())  # the adapter's own options
+        encoders = [f"{name}={file_hash(path, cache)}" for name, path in self.encoder_files()]
         return WindowsKey(
             model=" + ".join(file_hash(path, cache) for path in self.model_files()),
+            encoders="; ".join(encoders) or self.no_encoders,
             arch=self.run.arch,
             network=self.run.inner + (f" ({', '.join(inner)})" if inner else ""),
             rank=None if dim is None else int(dim),
             buckets=tuple(f"{h}x{w}" for h, w in grids),
             sampler=sampler_fingerprint(self.host_sampler(), grids, MASS_SAMPLES),
+            loss=self.loss_settings(),
             host=self.host,
-            version=version(),
+            host_revision=source_digest(self.host_functions()),
+            code=certifier_code(self.code_modules),
             ratios=tuple(a.ratio for a in self.routes),
             bins=self.bins.spec(),
             margin=self.settings.margin,
             alpha=self.settings.looks.alpha,
         )
+
+    def encoder_files(self) -> list[tuple[str, str]]:
+        """(arg, path) of each text encoder's and VAE's file the run trains with (a host's subclass says which)."""
+        return []
+
+    def loss_settings(self) -> str:
+        """The run's values of :attr:`loss_args` (those its host's parser has), one canonical string."""
+        args = self.ctx.args
+        return ", ".join(f"{name}={getattr(args, name)!r}" for name in sorted(self.loss_args) if hasattr(args, name)) or "none"
+
+    def host_functions(self) -> list[Any]:
+        """The host's functions and classes the plugin calls or whose steps it draws (their source is the key's
+        ``host_revision``; a host's subclass lists them)."""
+        raise NotImplementedError
+
+    def means(self) -> tuple[float, float]:
+        """(horizon, budget) of this run's certification: the later passes its windows would pay back over (inf: no pay
+        rule) and its budget, in native-step equivalents: what decides whether it could buy more than a cached one."""
+        s = self.settings
+        return (math.inf if s.horizon is None else float(s.horizon)), float(s.budget)
 
     def consult_cache(self) -> tuple[Any, Any, str]:
         """(this run's key or None when nothing is cached, the cached entry to reuse or None, what the banner says)."""
@@ -124,6 +161,9 @@ class AutoSession(ProbeSession):
         unhashable = [path or "?" for path in self.model_files() if not path or not os.path.isfile(path)]
         if unhashable:
             return None, None, f"windows cache: the base model {', '.join(unhashable)} is no file to hash: windows are not cached"
+        encoders = [f"--{name} {path}" for name, path in self.encoder_files() if not os.path.isfile(path)]
+        if encoders:
+            return None, None, f"windows cache: the text encoder or VAE {', '.join(encoders)} is no file to hash: windows are not cached"
         if not self.buckets.latent_buckets:
             return None, None, "windows cache: the run's buckets are not known: windows are not cached"
         t0 = time.perf_counter()
@@ -140,8 +180,49 @@ class AutoSession(ProbeSession):
             return key, None, f"windows cache: not read by a resumed run (--resume: its state's windows route it); {stored}"
         if certify.reuse == "refresh":
             return key, None, f'windows cache: certify_reuse = "refresh": {stored}'
-        found = lookup(key, self.cache)
+        self.reads_cache = True
+        found = lookup(key, self.cache, *self.means())
         return key, found.entry, f"windows cache: {found.reason}" + ("" if found.entry else f"\n  certifying; {stored}")
+
+    def claim(self) -> Any:
+        """The key's lock (``reuse.KeyLock``) for a run that certifies and caches, released when its entry is written or the
+        run ends; held by another run, a run that reads the cache waits for that run's windows when its probes are in
+        (:meth:`await_other`), one that does not (refresh, resume) certifies all the same."""
+        from ...mapping.reuse import LOCK_WAIT_S, KeyLock
+
+        if self.key is None or self.reused is not None or self.skipped is not None:
+            return None
+        lock = KeyLock(self.key, self.cache)
+        self.run.patches.on_undo(lock.release)
+        if not lock.acquire():
+            self.waiting = self.reads_cache
+            self.cache_text += f"\n  another run of this key is certifying it now ({lock.path}): " + (
+                f"this run waits up to {LOCK_WAIT_S:.0f} s for its windows when its probes are in, else certifies anew"
+                if self.waiting
+                else "this run certifies too"
+            )
+        return lock
+
+    def await_other(self) -> Any:
+        """Wait (at most ``reuse.LOCK_WAIT_S``) for the run certifying this key, then its entry if this run may reuse it
+        (``reuse.lookup``); None: certify anew, and the log says why."""
+        from ...mapping.reuse import LOCK_WAIT_S, lookup
+
+        t0 = time.perf_counter()
+        free = self.lock.wait(LOCK_WAIT_S)
+        waited = time.perf_counter() - t0
+        found = lookup(self.key, self.cache, *self.means())
+        if found.entry is not None:
+            logger.info(
+                "downscale_plugin: waited %.0f s for the other run of this key: %s; routing by it from train batch %d, no certification",
+                waited,
+                found.reason,
+                self.batches,
+            )
+            return found.entry
+        why = f"is still running after {waited:.0f} s" if not free else f"left nothing this run reuses ({found.reason})"
+        logger.info("downscale_plugin: the other run certifying this key %s; certifying anew", why)
+        return None
 
     def install(self) -> None:
         """Collect probes (:class:`ProbeSession`) unless no test can pay (then the run is the plain run), or with cached
@@ -150,9 +231,13 @@ class AutoSession(ProbeSession):
             if self.skipped is None:
                 super().install()
             return
+        self.route_by(self.reused)
+
+    def route_by(self, entry: Any) -> None:
+        """Route by a cached entry's windows from now on (the first step, or the step after another run certified them)."""
+        self.reused = entry
         self.measured = True
         self.run.adopt_saved = self.adopt
-        entry = self.reused
         routes = load_config(plugin_toml=entry.windows()).routes
         self.run.retarget(routes)
         self.run.extra_metadata["ss_downscale_map"] = json.dumps(
@@ -287,6 +372,11 @@ class AutoSession(ProbeSession):
     def complete(self, arguments: dict[str, Any]) -> None:
         from ...mapping.in_run import ForeignEvidence, certify_in_run
 
+        if self.waiting and (entry := self.await_other()) is not None:
+            self.lock.release()
+            self.route_by(entry)
+            return
+
         backend = self.backend(arguments)
         mass, mass_text = self.sigma_mass([tuple(g) for g in backend.grids])
         prior = (self.run.cfg.certify.resume, self.prior) if self.prior is not None else None
@@ -325,19 +415,24 @@ class AutoSession(ProbeSession):
         self.train_with(done.windows_toml)
 
     def store(self, done: Any) -> None:
-        """Cache the certified windows under this run's key (their total cost, a resumed run's evidence included)."""
-        from ...mapping.reuse import store
+        """Cache the certification under this run's key (its total cost, a resumed run's evidence included; how it ended,
+        its horizon and budget: ``reuse.entry_of``), then let the next run of the key in (the lock)."""
+        from ...mapping.reuse import entry_of, store
         from ...mapping.windows import utc_now
 
         with open(done.windows_toml) as fh:
             text = fh.read()
         before = done.result.provenance.get("resumed_from", {}).get("native_step_equivalents", 0.0)
+        entry = entry_of(self.key, done.result, text, before + done.result.spent, utc_now(), self.command())
         try:
-            path = store(self.key, text, before + done.result.spent, utc_now(), self.command(), self.cache)
+            path = store(entry, self.cache)
         except (OSError, ValueError) as err:  # an unwritable folder; windows the cache's own check refuses (reuse.EntryError)
             logger.warning("downscale_plugin: the windows cache could not be written (%s); the run goes on", err)
             return
-        logger.info("downscale_plugin: cached the certified windows as %s (key %s)", path, self.key.digest())
+        finally:
+            if self.lock is not None:
+                self.lock.release()
+        logger.info("downscale_plugin: cached the certification as %s (key %s, %s)", path, self.key.digest(), entry.ended())
 
     def train_with(self, windows_path: str) -> None:
         """The certified windows become the run's routes: router, plan, accounting, metadata; log them."""

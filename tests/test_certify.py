@@ -598,7 +598,8 @@ def _three_routes(gaps: dict, seed: int = 9):
 def test_a_deeper_routes_failure_blocks_no_milder_route():
     """0.5 unsafe everywhere; 0.75 safe on the top two bins, 0.875 on the top three. The plan's first test, 0.5 on the top
     bin, fails at its first look (20): that is 0.5's own loss, within its own stake (80), and stops no other route, so 0.75
-    certifies the top two bins and 0.875 the third (where 0.75 is unsafe); no test ends at ``stake``."""
+    certifies the top two bins and 0.875 the third (where 0.75 is unsafe); only 0.5's own further tests end at ``stake``
+    (a single unsafe bin prunes nothing: the one-hump rule needs two)."""
     mild, mid, deep = latent_arm(0.875), latent_arm(0.75), latent_arm(0.5)
     gaps = {
         **_profile(deep.name, [0.3] * 5),
@@ -607,7 +608,7 @@ def test_a_deeper_routes_failure_blocks_no_milder_route():
     }
     run = _three_routes(gaps)
     assert {(t.route, t.bin) for t in run.tests if t.safe} == {(mid.name, 4), (mid.name, 3), (mild.name, 2)}
-    assert STAKE not in {t.verdict for t in run.tests} and run.test(deep.name, 4).verdict == UNSAFE
+    assert {t.route for t in run.tests if t.verdict == STAKE} <= {deep.name} and run.test(deep.name, 4).verdict == UNSAFE
     assert run.plan.stakes == pytest.approx({mild.name: 64 * (1 + 0.875**2), mid.name: 100.0, deep.name: 80.0})
 
 

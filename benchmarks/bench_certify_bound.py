@@ -47,8 +47,10 @@ The map (``estimator.summarize``: ``map_family``'s chains from σ = 1 down, one 
 truths (every bin, the unplanned ones at their nearest planned bin's value) through cells whose debiased excess is e
 (``exact`` only: the map's own two-native estimator is not simulated).
 
-Also printed, through the real read (``sequential.read``/``verdict`` at each look): one test's false-safe rate at a mean
-of 1.01 ε at the plan's head level, and outside the claim, populations whose mean is carried by a few images.
+Also printed, through the real read (``sequential.read``/``verdict`` at each look) at the level of the plan's first
+test: one test's false-safe rate at a mean of 1.01 ε; the probes a safe verdict needs (16 / 32 / 64); outside the
+claim, populations whose mean is carried by a few images; and ê's bias at a true gap of ε (``PairedSums.excess`` of the
+noisy source at per-draw noise κ = 0.5–2 × the signal).
 Deterministic: every draw from --seed.
 """
 
@@ -85,7 +87,7 @@ from downscale_plugin.mapping.certify import CertifySettings, plan_tests, run_ce
 from downscale_plugin.mapping.estimator import Cell, MapSettings, excess, summarize  # noqa: E402
 from downscale_plugin.mapping.in_run import InRunSetup, in_run_setup, pass_costs  # noqa: E402
 from downscale_plugin.mapping.safe_read import TRIM  # noqa: E402
-from downscale_plugin.mapping.sequential import SAFE, Looks, read, verdict  # noqa: E402
+from downscale_plugin.mapping.sequential import SAFE, Looks, PairedSums, read, verdict  # noqa: E402
 
 MAPS = ("docs/fidelity/lab_n64_d8_n16/map.json", "docs/fidelity/lab_n64_d8_n16_pool/map.json")
 CERTIFY = "docs/fidelity/certify/seed*/certify.json"
@@ -231,12 +233,21 @@ class TruthDraws:
     ``rho`` None (exact): two noiseless draws per arm, the native a unit vector and the route's at cosine 1 − e, so
     ``PairedSums.excess`` is e. Else D = 4 paired draws with noise (module docstring), pre-drawn per run."""
 
-    def __init__(self, truth: np.ndarray, routes: Sequence[Arm], fractions: dict[str, float], rho: float | None, rng: np.random.Generator):
+    def __init__(
+        self,
+        truth: np.ndarray,
+        routes: Sequence[Arm],
+        fractions: dict[str, float],
+        rho: float | None,
+        rng: np.random.Generator,
+        kappa: float = 1.0,
+    ):
+        """``kappa``: the per-draw noise norm over the signal's (noisy draws only)."""
         self.truth, self.fractions, self.rho = truth, fractions, rho
         self.index = {a.name: i for i, a in enumerate(routes)}
         _, bins, images = truth.shape
         if rho is not None:
-            basis = rng.standard_normal((NOISE_RANK, NOISE_DIM)) / math.sqrt(NOISE_RANK * NOISE_DIM)
+            basis = kappa * rng.standard_normal((NOISE_RANK, NOISE_DIM)) / math.sqrt(NOISE_RANK * NOISE_DIM)
             mu = rng.standard_normal((bins, images, NOISE_DIM))
             mu /= np.linalg.norm(mu, axis=-1, keepdims=True)
             ortho = rng.standard_normal((len(routes), bins, images, NOISE_DIM))
@@ -369,6 +380,41 @@ def subpopulation(p: float, level: float, rng: np.random.Generator, reps: int, n
             "bulk safe rate π": power, f"floor (1 − p)^{n}·π": (1 - p) ** n * power}  # fmt: skip
 
 
+def probe_table(pops: Sequence[Law], level: float, rng: np.random.Generator, reps: int) -> dict[str, dict[str, float]]:
+    """One test's safe rate at ``level`` against the probes it reads (looks n/4, n/2, n), at means ε/8, ε/4, ε/2."""
+    table = {}
+    for pop in pops:
+        for frac in (1 / 8, 1 / 4, 1 / 2):
+            row = {}
+            for n in (16, 32, 64):
+                looks = Looks((n // 4, n // 2, n), ALPHA)
+                z = rng.standard_normal((reps, n))
+                row[f"{n} probes"] = float(np.mean([sequential_safe(pop.values(r, frac * MARGIN), level, looks) for r in z]))
+            table[f"{pop.name} at ε/{round(1 / frac)}"] = row
+    return table
+
+
+def bias_table(routes: Sequence[Arm], fractions: dict[str, float], rng: np.random.Generator, images: int) -> dict[str, dict[str, float]]:
+    """Mean and SD of the certifier's ê (``PairedSums.excess`` of the noisy source's D = 4 draws) at a true gap of ε,
+    per pairing ρ and per-draw noise-to-signal κ."""
+    table = {}
+    route = routes[-1:]
+    for kappa in (0.5, 1.0, 1.5, 2.0):
+        for rho in (0.5, 0.7, 0.9):
+            source = TruthDraws(np.full((1, 1, images), MARGIN), route, fractions, rho, rng, kappa)
+            values = []
+            for i in range(images):
+                sums = PairedSums()
+                source.draw_pairs(i, 0, route, sums.add)
+                values.append(sums.excess(route[0].name))
+            table[f"κ {kappa:g}, ρ {rho:g}"] = {
+                "mean ê": float(np.mean(values)),
+                "bias": float(np.mean(values)) - MARGIN,
+                "sd ê": float(np.std(values)),
+            }
+    return table
+
+
 # -- main ---------------------------------------------------------------------------------------------------
 
 
@@ -434,6 +480,8 @@ def main() -> None:
     worst_case = max(suite[worst_row]["certify: false"], suite[worst_row]["auto: false"])
     worst_map = max(row["map: false"] for row in maps.values())
     outside = {f"subpopulation {q:g}": subpopulation(q, head, rng, 40 * args.reps) for q in (0.12, 0.15, 0.3)}
+    probes = probe_table([law("lognormal 1"), law("lognormal 1.5"), law("pareto 2")], head, rng, 2 * args.reps)
+    bias = bias_table(setting.routes, setting.fractions, rng, 10 * args.reps)
     minutes = (time.process_time() - t0) / 60
     command = "python " + " ".join(sys.argv)
     order = setting.plan_order()
@@ -466,9 +514,13 @@ def main() -> None:
             fmt_table(f"One test at a mean of 1.01 ε, read at the first test's level {head:.4f} (i.i.d. probes, exact)", single),
             f"lab sets ({len(sets)}, resampled, 400 tests each): mean per-test false-safe at that level = "
             f"{np.mean([r for r, _ in per_set]):.4f}; worst set {max(per_set)[0]:.4f} (its values: {np.round(np.sort(worst), 3).tolist()})",
+            fmt_table(f"Probes a safe verdict needs: one test's safe rate at level {head:.4f} by probes read (looks n/4, n/2, n)", probes),
             fmt_table(
                 "Outside the claim: a share p of images carries the mean, the rest at ε/4; any rule's floor is (1 − p)^16 × its power on the bulk",
                 outside,
+            ),
+            fmt_table(
+                f"Bias of the certifier's ê at a true gap ε = {MARGIN:g} (D = 4 paired draws; κ = per-draw noise norm / signal norm)", bias
             ),
         ]
     )
@@ -500,6 +552,8 @@ def main() -> None:
                 "worst_set": np.sort(worst).tolist(),
             },
             "outside": outside,
+            "probes": probes,
+            "bias": bias,
         }
         with open(os.path.join(args.out, "bound.json"), "w") as fh:
             json.dump(blob, fh, indent=1)

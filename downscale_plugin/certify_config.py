@@ -42,7 +42,7 @@ class MapConfig:
     images: int = setting(8, "int", (2, None), "probe samples from the run's first batches")
     margin: float = setting(DEFAULT_MARGIN, "float", (0.0, 1.0), "the margin ε a safe bin's upper bound must stay below")
     simultaneous: bool = setting(
-        False, "bool", help="Bonferroni over every (route, bin) instead of chains from σ = 1 down (both family-wise)"
+        False, "bool", help="Bonferroni over every (route, bin) instead of chains from both ends (both family-wise)"
     )
     out: str | None = setting(None, "str", help="directory for the map's files")
     reenc: bool = setting(False, "bool", help="add the VAE re-encode control arm")
@@ -67,7 +67,8 @@ class CertifyConfig:
         0,
         "int",
         (0, 16),
-        "bins tested below each route's edge after the search: a σ-monotonicity check that spends budget and never opens a window",
+        "pruned bins (between two of a route's bins confirmed unsafe) tested after the search: a one-hump check that spends budget "
+        "and never opens a window",
     )
     resume: str | None = setting(
         None, "str", help="a certify.json of an earlier run on the same model: its evidence is continued, not redone"

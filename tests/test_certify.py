@@ -268,35 +268,52 @@ def _by_bin(masses: dict[int, float]):
     return lambda lo, hi: next(m for b, m in masses.items() if BINS.bounds(b) == (lo, hi))
 
 
-def test_bins_below_a_confirmed_unsafe_bin_are_pruned_and_spot_checked():
-    mild, deep = latent_arm(0.875), latent_arm(0.5)
-    gaps = {**_profile(mild.name, [0.005, 0.005, 0.3, 0.3, 0.3]), **_profile(deep.name, [0.3, 0.3, 0.3, 0.3, 0.3])}
-    source = SyntheticDraws(gaps, 16, rho=0.9, seed=5, spread=0.005)  # images alike: the search's mechanics, not the bound's power
-    settings = CertifySettings(margin=0.05, budget=10_000, spot_checks=1)
-    result = run_certify(source, [mild, deep], BINS, settings, mass=_by_bin(TOP_HEAVY))
-    mild_rows = {t.bin: t for t in result.rows(mild)}
-    assert [mild_rows[b].verdict for b in (4, 3)] == [SAFE, SAFE] and mild_rows[4].bound.n == 16  # safe on the whole pool
-    assert mild_rows[2].verdict == UNSAFE  # the edge: confirmed above ε
-    assert mild_rows[1].spot and not mild_rows[1].safe and mild_rows[0].verdict == UNTESTED
-    deep_rows = {t.bin: t for t in result.rows(deep)}
-    assert deep_rows[4].verdict == UNSAFE and deep_rows[3].spot and deep_rows[2].verdict == UNTESTED
-    assert deep_rows[4].bound.n == 4  # settled at the first look: the clearly unsafe route costs 4 images
-    assert result.spent == pytest.approx(sum(t.cost for t in result.tests) + 4 * source.calls)
-    assert result.to_json()["cost"]["native_step_equivalents"] == result.spent
+HUMP_FIRST = {4: 0.35, 3: 0.25, 1: 0.2, 0: 0.12, 2: 0.08}  # σ mass per bin of BINS: the plan runs 4, 3, 1, 0, then 2
 
 
-def test_a_safe_spot_check_below_the_edge_is_reported_and_never_routed():
-    """A route safe at the top, unsafe in the middle, safe again at the bottom: the bottom spot check is a
-    monotonicity violation in the notes and the result, and the windows TOML routes the top only."""
-    gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
-    source = SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005)
-    result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=2), mass=_by_bin(TOP_HEAVY))
+def test_a_low_sigma_window_is_certified_from_evidence_safe_only_there():
+    """Safe only in the two lowest bins, clearly unsafe above (the plan tests the top first): the chain from the
+    lowest bin up certifies (0, 0.7] on its own evidence, and the windows file routes it from σ > 0. Before, the top
+    bin confirmed unsafe pruned every bin below it and nothing was certified."""
+    gaps = _profile(ROUTE.name, [0.3, 0.3, 0.3, 0.005, 0.005])
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=5, spread=0.005)
+    result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=1), mass=_by_bin(TOP_HEAVY))
     rows = {t.bin: t for t in result.rows(ROUTE)}
-    assert rows[4].safe and rows[0].spot and rows[0].verdict == SPOT_SAFE and not rows[0].safe  # evidence, never a safe bin
-    assert any("not monotone" in n and "not routed" in n for n in result.notes)
+    assert [rows[b].verdict for b in (4, 3, 2)] == [UNSAFE] * 3 and all(rows[b].bound.n == 4 for b in (4, 3, 2))  # first look
+    assert rows[1].safe and rows[0].safe and rows[0].bound.n == 16
+    assert not any(t.spot for t in result.tests)  # nothing lies between two unsafe bins
     result.provenance["backend"] = {"arch": "flux", "native_latent_hw": [64, 64]}
     routes = toml.loads(windows_toml(result))["routes"]
-    assert len(routes) == 1 and routes[0]["sigma_min"] == pytest.approx(0.95)
+    assert len(routes) == 1 and routes[0]["sigma_min"] == 0.0 and routes[0]["sigma_max"] == pytest.approx(0.7)
+
+
+def test_only_bins_between_two_confirmed_unsafe_bins_are_pruned_and_spot_checked():
+    """One hump (bins 1-3 unsafe, the ends safe): once bins 3 and 1 are confirmed unsafe, bin 2 between them is not
+    tested (a spot check reads it, unsafe); the lowest bin, below a single unsafe bin, is tested and safe."""
+    gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=5, spread=0.005)  # images alike: the search's mechanics, not the bound's power
+    result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=1), mass=_by_bin(HUMP_FIRST))
+    rows = {t.bin: t for t in result.rows(ROUTE)}
+    assert rows[4].safe and rows[0].safe and rows[3].verdict == rows[1].verdict == UNSAFE
+    assert rows[2].spot and rows[2].verdict == UNSAFE and not rows[2].safe
+    assert [t.bin for t in result.tests if not t.spot] == [4, 3, 1, 0]  # plan order; bin 2 never in the search
+    assert result.spent == pytest.approx(sum(t.cost for t in result.tests) + 4 * source.calls)
+    none = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=0), mass=_by_bin(HUMP_FIRST))
+    assert none.rows(ROUTE)[2].verdict == UNTESTED
+
+
+def test_a_safe_spot_check_between_two_unsafe_bins_is_reported_and_never_routed():
+    """Two humps (safe, unsafe, safe, unsafe, safe from the top): bin 2, between two bins confirmed unsafe, is pruned;
+    its spot check reads safe, is reported as a second hump and never routed; the windows file routes the two ends."""
+    gaps = _profile(ROUTE.name, [0.005, 0.3, 0.005, 0.3, 0.005])
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005)
+    result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=2), mass=_by_bin(HUMP_FIRST))
+    rows = {t.bin: t for t in result.rows(ROUTE)}
+    assert rows[4].safe and rows[0].safe and rows[2].spot and rows[2].verdict == SPOT_SAFE and not rows[2].safe
+    assert any("more than one hump" in n and "not routed" in n for n in result.notes)
+    result.provenance["backend"] = {"arch": "flux", "native_latent_hw": [64, 64]}
+    routes = toml.loads(windows_toml(result))["routes"]
+    assert [(r["sigma_min"], r.get("sigma_max")) for r in routes] == [(0.0, 0.5), (0.95, 1.0)]
 
 
 def test_the_budget_is_never_exceeded_and_open_tests_end_not_safe():
@@ -492,20 +509,22 @@ def test_a_run_refuses_windows_certified_for_another_model_unless_told_to_warn(c
 
 
 def test_spot_checks_are_reported_as_spot_checks_never_as_safe_bins():
-    gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
+    gaps = _profile(ROUTE.name, [0.005, 0.3, 0.005, 0.3, 0.005])
     result = run_certify(
-        SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005), [ROUTE], BINS, CertifySettings(budget=10_000), _by_bin(TOP_HEAVY)
+        SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005), [ROUTE], BINS, CertifySettings(budget=10_000), _by_bin(HUMP_FIRST)
     )
     blob = result.to_json()
     assert not any(row["safe"] for row in blob["bins"] if row["spot_check"])
-    assert blob["safe_bins"] == 1 and [t.bin for t in result.safe_tests()] == [4]
-    assert blob["spot_checks"]["run"] == 2 and blob["spot_checks"]["safe_never_routed"] == ["latent_0.75 (0,0.5]"]
-    assert result.spot_text().startswith("spot checks: 2 run, 1 safe, never routed")
+    assert blob["safe_bins"] == 2 and [t.bin for t in result.safe_tests()] == [4, 0]
+    assert blob["spot_checks"]["run"] == 1 and blob["spot_checks"]["safe_never_routed"] == ["latent_0.75 (0.7,0.9]"]
+    assert result.spot_text().startswith("spot checks: 1 run, 1 safe, never routed")
 
 
-def _horizon_run(gaps: dict, horizon: float, budget: float = 1000.0, mass=lambda lo, hi: hi - lo, routes=(ROUTE,), seed: int = 9):
+def _horizon_run(
+    gaps: dict, horizon: float, budget: float = 1000.0, mass=lambda lo, hi: hi - lo, routes=(ROUTE,), seed: int = 9, spread: float = 0.02
+):
     settings = CertifySettings(margin=0.05, budget=budget, spot_checks=0, horizon=horizon)
-    return run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=seed), list(routes), BINS, settings, mass=mass)
+    return run_certify(SyntheticDraws(gaps, 16, rho=0.9, seed=seed, spread=spread), list(routes), BINS, settings, mass=mass)
 
 
 def test_in_a_run_no_evidence_is_bought_that_its_window_cannot_pay_back():
@@ -535,7 +554,7 @@ def test_each_route_is_budgeted_on_its_own():
     mild = latent_arm(0.875)
     gaps = {**_profile(ROUTE.name, [0.005] * 5), **_profile(mild.name, [0.005] * 5)}
     top_only = lambda lo, hi: 0.5 if lo >= 0.9 else 0.0  # noqa: E731
-    result = _horizon_run(gaps, 10_000.0, budget=120.0, mass=top_only, routes=(mild, ROUTE))
+    result = _horizon_run(gaps, 10_000.0, budget=120.0, mass=top_only, routes=(mild, ROUTE), spread=0.005)  # the budget, not power
     assert [t.route for t in result.safe_tests()] == [ROUTE.name] and result.spent == pytest.approx(100.0)
 
 

@@ -16,8 +16,10 @@ import pytest
 from downscale_plugin.bins import parse_bins
 from downscale_plugin.mapping.arms import NATIVE_A, NATIVE_B, Arm, latent_arm
 from downscale_plugin.mapping.certify import SPOT_SAFE, BinTest, run_certify
-from downscale_plugin.mapping.estimator import Cell, MapSettings, summarize
+from downscale_plugin.mapping.estimator import Cell, MapResult, MapSettings, summarize
+from downscale_plugin.mapping.safe_read import SEARCH_SHARE
 from downscale_plugin.mapping.sequential import SAFE, Family, PairedSums, paired_excess, safe_quantile
+from downscale_plugin.mapping.windows import stack_windows
 
 
 @pytest.fixture(scope="module")
@@ -47,10 +49,66 @@ def test_family_levels_split_alpha_over_chains_and_pass_on_down_safe_runs():
         family.level("c")
     with pytest.raises(ValueError, match="settled already"):
         family.settle("a4", True)
-    with pytest.raises(ValueError, match="more than one place"):
-        Family([["a"], ["a"]], 0.05)
+    with pytest.raises(ValueError, match="more than one place of chain 0"):
+        Family([["a", "a"]], 0.05)
     with pytest.raises(ValueError, match="one non-negative weight each"):
         Family([["a", "b"]], 0.05, weights={0: [1.0]})
+    with pytest.raises(ValueError, match="one non-negative share each"):
+        Family([["a"], ["b"]], 0.05, shares=[1.0])
+
+
+def test_two_chains_through_one_key_add_their_levels_and_each_passes_its_own_part_its_own_way():
+    """A route's bins 0-3 in two chains (σ = 1 down and the lowest bin up, α/2 each here): a key's level is the sum of
+    its two chains' parts; a safe key passes each part along its own chain; all unsafe, the levels sum to α."""
+    down, up = [3, 2, 1, 0], [0, 1, 2, 3]
+    family = Family([down, up], 0.05, shares=[0.5, 0.5])
+    half = 0.025
+    assert family.keys == down
+    assert family.level(0) == pytest.approx(half * 0.05 + half * 0.8)  # last of the first chain, head of the second
+    assert family.level(3) == pytest.approx(half * 0.8 + half * 0.05)
+    assert family.level(1) == pytest.approx(half * 0.05 + half * 0.1)
+    assert sum(family.level(k) for k in down) == pytest.approx(0.05)  # Bonferroni before any verdict
+    family.settle(0, True)
+    assert family.level(1) == pytest.approx(half * 0.05 + half * (0.8 + 0.1))  # the second chain's part goes up to bin 1
+    assert family.level(3) == pytest.approx(half * (0.8 + 0.05) + half * 0.05)  # the first chain's goes round to its head
+    family.settle(3, True)
+    assert family.level(2) == pytest.approx(half * (0.85 + 0.1) + half * 0.05)  # the first chain's part goes down to bin 2
+    assert family.level(1) == pytest.approx(half * 0.05 + half * (0.9 + 0.05))  # the second's round past bin 0 (safe) to bin 1
+    family.settle(1, True)  # bin 1 passes down past bins 0 and 3 (safe) and up, both to bin 2: the last open test
+    assert family.level(2) == pytest.approx(0.05)
+    with pytest.raises(ValueError, match="settled already"):
+        family.settle(0, False)
+    everything = Family([down, up, [7, 6], [6, 7]], 0.05, shares=[0.5] * 4)
+    for key in (3, 0, 6):
+        everything.settle(key, False)  # not safe: nothing passes
+    assert sum(everything.level(k) for k in everything.keys) == pytest.approx(0.05)
+    assert everything.level(7) == pytest.approx(0.0125 * 0.8 + 0.0125 * 0.2)  # a route's part, split over its two chains
+
+
+def test_both_ends_gives_the_search_chain_its_share_of_each_routes_alpha():
+    """``Family.both_ends``: α over the routes, :data:`SEARCH_SHARE` of a route's part to its search chain, the rest to
+    the chain from its lowest bin up (the top bin heads the first, the lowest bin the second)."""
+    down, up = [3, 2, 1, 0], [0, 1, 2, 3]
+    family = Family.both_ends([(down, up), ([7, 6], [6, 7])], 0.05)
+    route = 0.025
+    assert family.level(3) == pytest.approx(route * (SEARCH_SHARE * 0.8 + (1 - SEARCH_SHARE) * 0.05))
+    assert family.level(0) == pytest.approx(route * (SEARCH_SHARE * 0.05 + (1 - SEARCH_SHARE) * 0.8))
+    assert sum(family.level(k) for k in family.keys) == pytest.approx(0.05)
+
+
+def test_the_levels_of_the_truly_unsafe_keys_never_sum_past_alpha_whatever_the_truly_safe_ones_are():
+    """The single-step condition behind strong control (``safe_read`` module docstring (ii)): every truly safe key
+    settled safe, in any order, the truly unsafe keys' levels sum to ≤ α, for every truth of two routes."""
+    rng = np.random.default_rng(4)
+    routes = [([(r, b) for b in range(5, -1, -1)], [(r, b) for b in range(6)]) for r in (0, 1)]
+    for _ in range(200):
+        truly_safe = {(r, b) for r in (0, 1) for b in range(6) if rng.random() < 0.6}
+        family = Family.both_ends(routes, 0.05)
+        for i in rng.permutation(len(family.keys)):
+            if family.keys[i] in truly_safe:
+                family.settle(family.keys[i], True)
+        unsafe = [k for k in family.keys if k not in truly_safe]
+        assert sum(family.level(k) for k in unsafe) <= 0.05 + 1e-12
 
 
 def test_the_safe_read_is_calibrated_on_the_clipped_reference_laws():
@@ -155,6 +213,20 @@ def test_the_maps_windows_are_family_wise_where_its_plain_t_per_bin_was_not():
     assert np.mean(new) <= 0.05 and np.mean(old) > 0.5
     simultaneous = summarize(_cells(np.full((len(bins), 16), 0.001), len(bins)), arms, bins, MapSettings(simultaneous=True, images=16))
     assert all(r.level == pytest.approx(0.05 / len(bins)) for r in simultaneous) and all(r.safe for r in simultaneous)
+
+
+def test_the_maps_family_certifies_a_low_sigma_window_from_evidence_safe_only_there():
+    """Every bin above σ = 0.1 far over ε, the four below it far under: the chain from the lowest bin up certifies
+    (0, 0.1) on their own evidence. Before, the chain from σ = 1 down reached them at levels near 1e-6 (c = ∞)."""
+    bins = parse_bins("0,0.1,4:0.1,0.9,6:0.9,1,4")
+    arms = (Arm(NATIVE_A, "native"), Arm(NATIVE_B, "native"), latent_arm(0.75))
+    rng = np.random.default_rng(3)
+    values = np.where(np.arange(len(bins))[:, None] < 4, 0.002, 0.5) * rng.uniform(0.8, 1.2, (len(bins), 16))
+    rows = summarize(_cells(values, len(bins)), arms, bins, MapSettings(margin=0.05, draws=8, images=16))
+    assert [r.bin for r in rows if r.safe] == [0, 1, 2, 3]
+    assert rows[0].level >= 0.05 * (1 - SEARCH_SHARE) * 0.8  # bin 0 heads the chain from below
+    result = MapResult(bins, arms, MapSettings(margin=0.05, draws=8, images=16), rows, [])
+    assert [w.text() for w in stack_windows(result).windows] == ["(0, 0.1)"]
 
 
 def test_evidence_read_under_another_safe_rule_is_not_continued():

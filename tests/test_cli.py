@@ -209,6 +209,34 @@ def test_plan_prints_the_probabilities(tmp_path, capsys):
     assert "FLOPs saved" in out and "never routing" not in out
 
 
+TWO_WINDOWS = """
+    arch = "flux"
+
+    [[routes]]
+    route = "1024:512"
+    sigma_min = 0.0
+    sigma_max = 0.1
+
+    [[routes]]
+    route = "1024:512"
+    sigma_min = 0.9
+"""
+
+
+def test_check_and_plan_take_a_route_with_a_low_and_a_high_window(tmp_path, capsys):
+    """One route on (0, 0.1) (from σ > 0) and on (0.9, 1]: ``check`` lists both windows, ``plan`` gives each its own
+    mass under the sampler and the route's saving on both."""
+    path = _write(tmp_path, "plugin.toml", TWO_WINDOWS)
+    code, out, err = _run(capsys, "check", "--config", path)
+    assert code == 0, err
+    assert "r0  1024:512      (0, 0.1)" in out and "r1  1024:512      (0.9, 1]" in out
+    s = SigmaSampler("sigmoid")
+    low, high = s.mass(0.0, 0.1, (128, 128)), s.mass(0.9, None, (128, 128))
+    code, out, err = _run(capsys, "plan", "--config", path, "--timestep_sampling", "sigmoid", "--resolution", "1024", "--batch_size", "4")
+    assert code == 0, err
+    assert f"{100 * low:.1f} %" in out and f"{100 * high:.1f} %" in out and f"routed {100 * (low + high):.1f} % of steps" in out
+
+
 def test_plan_counts_the_runs_own_text_length(tmp_path, capsys):
     """A run with short T5 captions spends less of its step on text, so routing saves more of it:
     ``plan`` builds the FLOP model from the training TOML's own t5xxl_max_token_length."""

@@ -198,6 +198,24 @@ def test_windows_toml_round_trips_into_config_and_router():
             assert decision.target_hw == ((64, 64) if expect == 0 else (96, 96))
 
 
+def test_a_route_with_a_low_and_a_high_window_round_trips_into_config_and_router():
+    """Route 0.5 safe at both ends ((0, 0.25) from σ > 0, (0.75, 1]) and 0.75 between: the windows file carries both
+    of 0.5's windows as two rules of one route, the config takes them (none shadows another) and the router routes
+    each window to 0.5's grid."""
+    result = _result({0.5: "TFFTT", 0.75: "FTFFF"})
+    assert _windows(result) == [(0.5, 0.0, 0.25), (0.5, 0.75, 1.0), (0.75, 0.25, 0.5)]  # only the last rule may stay open
+    cfg = load_config(plugin_toml=toml.loads(windows_toml(result, date="D")))
+    assert [(r.label, r.sigma_min, r.sigma_max) for r in cfg.routes] == [
+        ("1024:512", 0.0, 0.25),
+        ("1024:512", 0.75, 1.0),
+        ("1024:768", 0.25, 0.5),
+    ]
+    router = Router.from_config(cfg, "flux", seed=0, total_forwards=10)
+    for sigma, expect in ((0.1, (64, 64)), (0.3, (96, 96)), (0.6, None), (0.9, (64, 64)), (1.0, None)):
+        decision = router.route(lambda n, s=sigma: torch.full((n,), s), 1, (128, 128), 1)
+        assert decision.target_hw == expect, sigma
+
+
 def test_no_window_disables_the_plugin():
     cfg = load_config(plugin_toml=toml.loads(windows_toml(_result({0.5: "FFFFF"}))))
     assert cfg.enable is False and cfg.routes == ()

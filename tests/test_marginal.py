@@ -177,3 +177,62 @@ def grid_runs(request):
 @pytest.mark.parametrize(("name", "mass", "batch"), GRID, ids=[f"{n}-mass{m:g}-B{b}" for n, m, b in GRID])
 def test_marginal_grid(grid_runs, name, mass, batch):
     check(name, batch, grid_runs[(name, mass, batch)])
+
+
+# --- one route, two windows: a low one from σ = 0 and a high one open at the top ---------------------
+
+
+def run_two_windows(name: str, mass: float, batch: int, steps: int, use_law: bool) -> tuple[list[tuple[float, float]], dict]:
+    """One route (×0.5) on (0, a) and on (b, 1], each window holding about ``mass`` of the host's σ (two router rules,
+    as a windows file writes a route with two windows): its intervals and the run (σ per step, its rule)."""
+    torch.set_num_threads(1)
+    sampler = SAMPLERS[name]
+    a, b = (float(x) for x in sampler.quantile(torch.tensor([mass, 1.0 - mass], dtype=torch.float64), HW))
+    cfg = load_config(plugin_toml={"routes": [{"scale": 0.5, "sigma_min": 0.0, "sigma_max": a}, {"scale": 0.5, "sigma_min": b}]})
+    router = Router(cfg.routes, "flux", seed=2024)
+    law = {"law": sampler.law(HW)} if use_law else {}
+    torch.manual_seed(3000 + batch)
+    sigmas, rules_run = [], []
+    for step in range(1, steps + 1):
+        d = router.route(lambda n: sampler.sample(n, HW), batch, HW, step, **law)
+        sampler.sample(batch, HW)  # the host consumes its own draw
+        sigmas.append(d.sigmas.double())
+        rules_run.append(d.rule_index)
+    return [(0.0, a), (b, 1.0)], {"sigmas": torch.stack(sigmas).numpy(), "rules": np.array(rules_run), "config": cfg}
+
+
+TWO_WINDOWS = [
+    pytest.param("sigmoid", 5e-3, 8, 8_000, True, id="narrow-sigmoid-B8-law"),
+    pytest.param("flux_shift", 5e-3, 4, 8_000, False, id="narrow-flux_shift-B4-lead"),
+    pytest.param("sigmoid", 0.3, 4, 3_000, True, id="wide-sigmoid-B4-law"),
+    pytest.param("flux_shift", 0.3, 16, 2_000, False, id="wide-flux_shift-B16-lead"),
+]
+
+
+@pytest.mark.parametrize(("name", "mass", "batch", "steps", "use_law"), TWO_WINDOWS)
+def test_a_route_with_two_windows_keeps_the_marginal(name, mass, batch, steps, use_law):
+    """Each step's σ all lie in its rule's window (native: in neither); each rule fires Bin(steps, its mass); a batch
+    position is the host's marginal; and given the rule, the step's σ follow the host's law on its window."""
+    sampler = SAMPLERS[name]
+    windows, run = run_two_windows(name, mass, batch, steps, use_law)
+    sigmas, fired = run["sigmas"], run["rules"]
+    cdf = _cdf(sampler)
+    inside = [(sigmas > lo) & (sigmas < hi) for lo, hi in windows]
+    for i in (0, 1):
+        assert inside[i][fired == i].all() and not inside[1 - i][fired == i].any()
+    assert not (inside[0] | inside[1])[fired == -1].any()
+    assert stats.kstest(_subsample(sigmas[:, 0]), cdf).pvalue > 1e-4
+    outside = [(windows[0][1], windows[1][0])]
+    for c, intervals in ((0, [windows[0]]), (1, [windows[1]]), (-1, outside)):
+        p_c = sum(sampler.mass(lo, hi, HW) for lo, hi in intervals)
+        assert abs(np.sum(fired == c) - steps * p_c) <= 4 * math.sqrt(steps * p_c * (1 - p_c)) + 1, (c, np.sum(fired == c), steps * p_c)
+
+        def conditional(x, intervals=intervals, p_c=p_c):
+            return sum(np.clip(cdf(np.minimum(x, hi)) - cdf(np.array([lo]))[0], 0.0, None) for lo, hi in intervals) / p_c
+
+        pooled = sigmas[fired == c]
+        for sample in [pooled.reshape(-1)] if use_law else [pooled[:, j] for j in sorted({0, batch - 1})]:
+            if sample.size:
+                assert stats.kstest(_subsample(sample), conditional).pvalue > 1e-4, c
+    plan = plan_table(run["config"], "flux", sampler, [HW], batch_size=batch)  # ``plan`` predicts what the router does
+    assert [plan.probs[0], plan.probs[1]] == pytest.approx([sampler.mass(lo, hi, HW) for lo, hi in windows], rel=1e-6)

@@ -12,15 +12,20 @@ the certifier spends evidence only where a verdict is still open and worth havin
 - **A plan before any evidence** (:func:`plan_tests`, docs/FIDELITY.md §9.4): every (route, bin) the
   sampler draws, valued at its own bin's mass × the route's saving per pass (1 − its pass cost) and
   priced at its safe read alone; tests run one at a time, best value per cost first, each to its
-  verdict. The order is each route's chain in the family (``sequential.Family``), fixed before any
-  evidence. A bin the sampler never draws (σ = 1 under a continuous law) is never tested, it routes
-  nothing; a milder route is not tested on a bin a deeper route is already safe on (its rule comes first).
-- **Prune only on confirmed excess**: a futile or inconclusive bin ends nothing else; a bin confirmed
-  unsafe (its lower bound above ε) leaves its route's bins below it untested. This assumes the excess
-  does not fall again below such a bin (on the lab maps it grows toward low σ from the top,
-  docs/FIDELITY.md §4); untested bins are not safe, so a wrong assumption costs windows, never soundness.
-  ``spot_checks`` of those bins are tested all the same once the search is done; one that comes out
-  safe is reported as a monotonicity violation and never routed (``Verdicts``).
+  verdict. Each route has two chains in the family (``safe_read.Family.both_ends``), fixed before any
+  evidence: its bins in the plan's order and its bins from the lowest up, so a window at low σ is
+  certified from its own evidence whatever the top bins read. The plan values a low bin as any other (its
+  own mass × saving per cost; only exact ties go to the higher bin). A bin the sampler never draws (σ = 1
+  under a continuous law) is never tested, it routes nothing; a milder route is not tested on a bin a
+  deeper route is already safe on (its rule comes first).
+- **Prune only between confirmed excess**: a futile or inconclusive bin ends nothing else; a bin between
+  two bins of its route confirmed unsafe (lower bound above ε) is not tested. This assumes the excess has
+  one hump in σ (the lab maps: highest in the middle, lower at both ends, docs/FIDELITY.md §4), so the bins
+  above ε form one interval; untested bins are not safe, so a wrong assumption costs windows, never
+  soundness. The cost: one confirmed-unsafe bin no longer prunes the bins below it, so a route unsafe on
+  one side is tested bin by bin there (a clearly unsafe bin stops at the first look, and in a run the
+  stake caps what is at risk). ``spot_checks`` of pruned bins are tested all the same once the search is
+  done; one that comes out safe is reported as a second hump and never routed (``Verdicts``).
 - **Safe only on the whole image pool**: a bin ends safe only at ``Looks.safe_from`` images (default
   the last look, the full map's N); earlier looks stop it only toward not-safe (``sequential.py``).
 - **Only evidence that can pay** (in a training run, ``CertifySettings.horizon`` = the passes the
@@ -67,13 +72,13 @@ BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did n
 COST = "cost"  # a test whose window could not save what its remaining evidence costs (a run's horizon)
 STAKE = "stake"  # a test not started: it would put more at risk than the plan's stake (spent and not won back)
 UNFINISHED = (BUDGET, COST, STAKE)  # verdicts of tests that may get more evidence in a later run (``certify_resume``)
-SPOT_SAFE = "spot-safe"  # a spot check below its route's edge whose bound read safe: a violation, never a window
+SPOT_SAFE = "spot-safe"  # a spot check of a pruned bin whose bound read safe: a second hump, never a window
 
 
 @dataclass(frozen=True)
 class CertifySettings:
     """ε, draws per (image, bin), the look schedule (its last look = the image pool used), the pass
-    budget in native-step equivalents, the certifier's seed, the spot checks below each edge, and the
+    budget in native-step equivalents, the certifier's seed, the spot checks of each route's pruned bins, and the
     passes the windows would serve (``horizon``; None: no pay rule, as in the ``certify`` command)."""
 
     margin: float = DEFAULT_MARGIN
@@ -226,7 +231,7 @@ class BinTest:
     lo: float
     hi: float
     value: float  # sampler mass × token saving: what a safe verdict is worth
-    spot: bool = False  # a spot check below the route's edge, not part of its search
+    spot: bool = False  # a spot check of a pruned bin (``Certifier._pruned``), not part of its search
     images: list[int] = field(default_factory=list)
     values: list[float] = field(default_factory=list)
     bound: Bound | None = None
@@ -298,7 +303,7 @@ class CertifyResult:
                 )
         return {
             "method": "certify: paired noise, U-statistic cosine gap, looks (safe read on the last: mean + c·sd/√n, c calibrated on "
-            "heavy tails, at each test's level of fallback chains per route, family-wise α), planned search (value per cost)",
+            "heavy tails, at each test's level of two fallback chains per route, family-wise α), planned search (value per cost)",
             "provenance": self.provenance,
             "settings": {**asdict(s), "looks": looks_json(s.looks)},
             "bins_spec": {"edges": list(self.bins.edges), "endpoint": self.bins.endpoint},
@@ -579,20 +584,20 @@ class Certifier:
         return None
 
     def _pruned(self, p: Planned) -> bool:
-        """Below a bin of its route confirmed unsafe (its lower bound above ε): the excess is taken not to fall again
-        as σ falls, so the bin is not tested (a futile or inconclusive bin prunes nothing)."""
-        hi = self.bins.bounds(p.bin)[1]
-        return any(
-            t.route == p.route.name and t.verdict == UNSAFE and not t.spot and not self.bins.is_endpoint(t.bin) and t.lo >= hi
-            for t in self.tests
-        )
+        """Between two bins of its route confirmed unsafe (lower bound above ε): the excess is taken to have one hump
+        in σ, so the bins it is above ε on are one interval and the bin is not tested (a futile or inconclusive bin
+        prunes nothing; the σ = 1 endpoint, its own estimand, brackets nothing)."""
+        lo, hi = self.bins.bounds(p.bin)
+        unsafe = [
+            t for t in self.tests if t.route == p.route.name and t.verdict == UNSAFE and not t.spot and not self.bins.is_endpoint(t.bin)
+        ]
+        return any(t.hi <= lo for t in unsafe) and any(t.lo >= hi for t in unsafe)
 
     # -- the search ---------------------------------------------------------------------------------
 
     def run(self) -> list[BinTest]:
-        chains = [[(a.name, p.bin) for p in self.plan.tests if p.route == a] for a in self.routes]
-        self.family = Family(chains, self.settings.looks.alpha)
-        for route, b in (key for chain in chains for key in chain):  # a resumed run's safe tests pass their level on again
+        self.family = Family.both_ends(self._chains(), self.settings.looks.alpha)
+        for route, b in self.family.keys:  # a resumed run's safe tests pass their level on again
             if (prior := self.prior.get((route, b, False))) is not None and prior.safe:
                 self.family.settle((route, b), True)
         for route, b, _ in [key for key in self.prior if not key[2]]:  # a resumed run's tests: settled ones stand, the rest reopen
@@ -613,21 +618,30 @@ class Certifier:
         self._note_violations()
         return self.tests
 
+    def _chains(self) -> list[tuple[list[tuple[str, int]], list[tuple[str, int]]]]:
+        """Per route, its two chains in the family (``safe_read.Family.both_ends``): its planned bins in the plan's
+        order, and the same bins from the lowest up; both fixed before any evidence."""
+        chains = []
+        for a in self.routes:
+            planned = [p.bin for p in self.plan.tests if p.route == a]
+            chains.append(([(a.name, b) for b in planned], [(a.name, b) for b in sorted(planned)]))
+        return chains
+
     def _done(self, p: Planned) -> bool:
         t = self.test(p.route.name, p.bin)
         return t is not None and not t.open
 
     def _spot_checks(self) -> None:
-        """``spot_checks`` bins evenly spread below each route's edge (its highest bin confirmed unsafe), within the budget."""
+        """``spot_checks`` bins evenly spread over each route's pruned bins (between two confirmed unsafe), within the budget."""
         for arm in self.routes:
-            below = [
+            pruned = [
                 p.bin
                 for p in sorted(self.plan.tests, key=lambda p: -p.bin)
                 if p.route == arm and self._pruned(p) and not self.test(arm.name, p.bin)
             ]
-            n = min(self.settings.spot_checks, len(below))
-            for i in sorted({int(round(x)) for x in np.linspace(0, len(below) - 1, n)} if n else ()):
-                t = self._new_test(arm, below[i], spot=True)
+            n = min(self.settings.spot_checks, len(pruned))
+            for i in sorted({int(round(x)) for x in np.linspace(0, len(pruned) - 1, n)} if n else ()):
+                t = self._new_test(arm, pruned[i], spot=True)
                 if self.spent + self._need(arm, len(t.values)) > self.settings.budget:
                     self._end(t, BUDGET)
                 else:
@@ -662,8 +676,8 @@ class Certifier:
         for t in self.tests:
             if t.verdict == SPOT_SAFE:
                 self.notes.append(
-                    f"{t.route} {self.bins.label(t.bin)}: a spot check below the route's edge is safe: the excess is not monotone in σ "
-                    "there; not routed (a window ends at the edge), the bins between it and the edge were not tested"
+                    f"{t.route} {self.bins.label(t.bin)}: a spot check between two bins confirmed unsafe is safe: the excess has more "
+                    "than one hump in σ there; not routed, the bins pruned around it were not tested"
                 )
 
 
@@ -731,7 +745,7 @@ class Verdicts:
 
     @property
     def rows(self) -> list[BinTest]:
-        """Every (route, bin) row; a spot check below a route's edge is never safe (``spot-safe``: never a window)."""
+        """Every (route, bin) row; a spot check of a pruned bin is never safe (``spot-safe``: never a window)."""
         return [t for a in self.result.routes for t in self.result.rows(a)]
 
     def routes(self, setting: tuple[str, str] = PLAIN) -> list[Arm]:
@@ -752,8 +766,7 @@ def windows_toml(result: CertifyResult, command: str = "", date: str | None = No
         "# downscale-plugin windows, written by the certifier (certify).",
         *described,
         f"# paired draws D = {s.draws} per (image, bin), looks at {list(s.looks.at)} images, seed {s.seed}; bins: {result.bins.spec()}",
-        f"# margin ε = {s.margin:g}; {describe_safe_read(s.looks, s.margin)}; untested bins and "
-        "spot checks below a route's edge are not routed",
+        f"# margin ε = {s.margin:g}; {describe_safe_read(s.looks, s.margin)}; untested bins and spot checks of pruned bins are not routed",
         f"# cost: {result.spent:.1f} native-step equivalents (budget {s.budget:g}); date: {date}",
         f"# command: {command or '?'}",
     ]

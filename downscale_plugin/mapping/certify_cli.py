@@ -64,7 +64,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the first look that may end a bin safe (default: the last; earlier safe reads miss skewed tails, docs/FIDELITY.md §9.3)",
     )
     parser.add_argument("--budget", type=float, default=300.0, help="native-step-equivalent passes at most (default 300)")
-    parser.add_argument("--spot_checks", type=int, default=2, help="bins tested below each route's edge (default 2)")
+    parser.add_argument("--spot_checks", type=int, default=2, help="pruned bins tested per route, between two confirmed unsafe (default 2)")
     parser.add_argument(
         "--unpaired", action="store_true", help="draw the route's noise independently (the baseline paired noise is measured against)"
     )

@@ -92,7 +92,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--simultaneous",
         action="store_true",
-        help="Bonferroni over every (arm, bin) instead of fallback chains from σ = 1 down (both family-wise)",
+        help="Bonferroni over every (arm, bin) instead of fallback chains from both ends (both family-wise)",
     )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")

@@ -60,7 +60,7 @@ class MapInputError(ValueError):
 class MapSettings:
     """Sample sizes and the verdict: a bin is safe when its safe read's upper bound < ``margin`` (cosine-distance
     units), false-safe ≤ ``alpha`` family-wise over every arm and bin (:func:`map_family`); ``simultaneous``:
-    Bonferroni over them all instead of chains from σ = 1 down."""
+    Bonferroni over them all instead of the chains from both ends."""
 
     margin: float = DEFAULT_MARGIN
     draws: int = 8
@@ -392,15 +392,7 @@ def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, setti
     """Per compared arm and bin: paired excess statistics and the verdict ``ub < margin``, ``ub`` the safe read
     (``sequential.read``'s) at the test's level of :func:`map_family`: false-safe ≤ α over every arm and bin."""
     alpha = settings.alpha
-    family = map_family(arms, bins, settings)
-    safe_reads = {}
-    for key in (key for chain in family_chains(arms, bins) for key in chain):  # in each chain's order: levels pass on
-        mean, se, n, _ = _mean_se([excess(c, key[0]) for c in cells if c.bin == key[1]])
-        level = family.level(key)
-        c = safe_quantile(level, n, settings.margin)
-        ub = mean + c * se if n >= 2 and math.isfinite(se) and math.isfinite(c) else math.inf
-        safe_reads[key] = (ub, level)
-        family.settle(key, ub < settings.margin)
+    safe_reads = read_family(cells, map_family(arms, bins, settings), settings.margin)
     by_bin: dict[int, list[Cell]] = {}
     for cell in cells:
         by_bin.setdefault(cell.bin, []).append(cell)
@@ -456,19 +448,46 @@ def summarize(cells: Sequence[Cell], arms: Sequence[Arm], bins: SigmaBins, setti
     return rows
 
 
-def family_chains(arms: Sequence[Arm], bins: SigmaBins) -> list[list[tuple[str, int]]]:
-    """One chain per compared arm: its (arm, bin) tests from σ = 1 down (the endpoint bin first)."""
+def read_family(cells: Sequence[Cell], family: Family, margin: float) -> dict[tuple[str, int], tuple[float, float]]:
+    """Every (arm, bin) key's safe read, (upper bound, level): the map has all its evidence at once, so each key is
+    read at the level it has once nothing more can settle safe (rounds over the keys until no new safe read; a
+    key's level only grows as others settle safe, ``safe_read.Family``), its bound read at that level."""
+    stats_of = {key: _mean_se([excess(c, key[0]) for c in cells if c.bin == key[1]])[:3] for key in family.keys}
+
+    def safe_read(key: tuple[str, int]) -> tuple[float, float]:
+        (mean, se, n), level = stats_of[key], family.level(key)
+        c = safe_quantile(level, n, margin)
+        return (mean + c * se if n >= 2 and math.isfinite(se) and math.isfinite(c) else math.inf), level
+
+    reads: dict[tuple[str, int], tuple[float, float]] = {}
+    settled = True
+    while settled:
+        settled = False
+        for key in (k for k in family.keys if k not in family.settled):
+            reads[key] = safe_read(key)
+            if reads[key][0] < margin:
+                family.settle(key, True)
+                settled = True
+    for key in (k for k in family.keys if k not in family.settled):
+        family.settle(key, False)
+    return reads
+
+
+def family_chains(arms: Sequence[Arm], bins: SigmaBins) -> list[tuple[list[tuple[str, int]], list[tuple[str, int]]]]:
+    """Two chains per compared arm through its (arm, bin) tests: from σ = 1 down (the endpoint bin first), and
+    from the lowest bin up (the endpoint last)."""
     order = ([bins.n_segmented] if bins.endpoint else []) + list(range(bins.n_segmented - 1, -1, -1))
-    return [[(a.name, b) for b in order] for a in arms if a.compared]
+    return [([(a.name, b) for b in order], [(a.name, b) for b in reversed(order)]) for a in arms if a.compared]
 
 
 def map_family(arms: Sequence[Arm], bins: SigmaBins, settings: MapSettings) -> Family:
-    """The map's family of safe reads: fallback chains from σ = 1 down per compared arm (windows at the top
-    keep most of α), or with ``simultaneous`` Bonferroni over every (arm, bin) (no order: α/K each)."""
-    chains = family_chains(arms, bins)
+    """The map's family of safe reads: per compared arm a chain from σ = 1 down and one from its lowest bin up
+    (``safe_read.Family.both_ends``: windows at either end keep most of the arm's α), or with ``simultaneous``
+    Bonferroni over every (arm, bin) (no order: α/K each)."""
+    pairs = family_chains(arms, bins)
     if settings.simultaneous:
-        return Family.bonferroni([key for chain in chains for key in chain], settings.alpha)
-    return Family(chains, settings.alpha)
+        return Family.bonferroni([key for down, _ in pairs for key in down], settings.alpha)
+    return Family.both_ends(pairs, settings.alpha)
 
 
 @dataclass

@@ -1,9 +1,39 @@
 """The safe read's calibration and the family-wise levels of a run's safe reads (docs/FIDELITY.md §9.5).
 
-Shared by the certifier (``sequential.py``, whose module docstring describes both) and the full map
+Shared by the certifier (``sequential.py``, whose module docstring describes the read) and the full map
 (``estimator.py``): :func:`safe_quantile` is the critical value of the studentized upper bound calibrated
 on heavy-tailed laws clipped to the estimator's range ±:data:`TRIM`; :class:`Family` turns a run's planned
-tests and the family-wise α into per-test levels (a Bonferroni-based fallback procedure).
+tests and the family-wise α into per-test levels.
+
+The family: chains through one key. Each test asks "is this (route, bin) safe" (its null: the bin's excess
+is ≥ ε); a false safe is a rejected true null. α is split over chains of tests fixed before any evidence;
+a key may be in several chains (two per route: :meth:`Family.both_ends`), and each chain carries its own
+flow of α: a key's level is the sum, over the chains it is in, of its own share there plus what that chain
+carried to it; a key that settles safe passes each chain's part of its level to the next key of *that*
+chain not settled safe (a chain is a cycle: past its last key, its first). Why the family-wise false-safe
+rate stays ≤ α under any dependence between the tests (the sequential rejection principle, Goeman &
+Solari 2010, Ann. Statist. 38(6)):
+
+(i) monotone: more safe verdicts only lengthen the runs of settled keys that shares are passed along, so
+    a key's level only grows as other keys settle safe (never depends on a not-safe verdict);
+(ii) with every truly safe key settled safe and no truly unsafe one, each share of each chain ends at no
+    more than one truly unsafe key (the first not settled safe after it around that chain; none when all
+    its keys are safe), so the levels of the truly unsafe keys sum to ≤ Σ shares = α.
+
+Let L_k be the level of a truly unsafe key k in (ii) (fixed by the truth, not by the data) and E the event
+that no truly unsafe key reads safe at L_k: P(not E) ≤ Σ L_k ≤ α by Bonferroni, whatever the dependence.
+On E no truly unsafe key ever settles safe: while only truly safe keys have, each level is ≤ its L_k (i),
+and a read that is not safe at L_k is not safe at a smaller level (c grows as the level falls). The chains
+and shares must be fixed before any evidence; the order the tests are *read* in may depend on it, and a
+test read before its chains' predecessors settle simply gets the smaller level it has then.
+
+The split (:data:`SEARCH_SHARE`): 0.9 of a route's α to the chain in the search's order, 0.1 to the chain
+from its lowest bin up. Why not half each: the σ mass is at the top under every shifted flow sampler (Flux's
+``flux_shift`` at 1 024 px draws σ < 0.1 on 0.04 % of steps), so a low window routes little, and on the
+stored lab maps (docs/fidelity/both_ends/) the lowest bins read 0.4-0.8 even at level α/4 while an even split
+costs an existing top window (route 0.875's (0.767, 0.9] on the corpus maps: FLOPs saved per step 13.0 % →
+4.5 %); at 0.9 every stored window stays. The low chain's head then has α/R·0.1·0.8 (0.002 with two routes):
+a low bin certifies only on strong evidence. The top chain's head falls from α/R·0.8 to 0.9 of that.
 """
 
 from __future__ import annotations
@@ -18,8 +48,9 @@ TRIM = 1.5  # |excess| beyond this is an estimator failure, not a gap (anchor: 3
 
 REFERENCE_LAWS = (("lognormal", 1.5), ("lomax", 1.5))  # the calibration suite's heaviest laws (module docstring)
 CALIBRATION_DRAWS = 400_000  # probe sets per law: a level ≥ 1.25e-3 rests on ≥ 500 of them in its tail
-SAFE_READ = "mean + c·sd/√n, c: lognormal 1.5 / Lomax 1.5 clipped to ±TRIM; fallback chains, head 0.8"  # recorded with the looks
-HEAD_SHARE = 0.8  # a chain's first test's share of the chain's α; the rest, halving, below it (:class:`Family`)
+SAFE_READ = "mean + c·sd/√n, c: lognormal 1.5 / Lomax 1.5 clipped to ±TRIM; fallback chains from both ends, head 0.8, search 0.9"  # recorded with the looks
+HEAD_SHARE = 0.8  # a chain's first test's share of the chain's α; the rest, halving, after it (:class:`Family`)
+SEARCH_SHARE = 0.9  # of a route's α, the chain in the search's order; the rest the chain from its lowest bin up (module docstring)
 
 
 @lru_cache(maxsize=16)
@@ -74,56 +105,86 @@ def safe_quantile(level: float, n: int, margin: float) -> float:
 class Family:
     """Per-test levels of a run's safe reads with the family-wise false-safe rate ≤ α (module docstring).
 
-    ``chains``: the planned tests as chains of keys in their fixed test order (one chain per route: its bins
-    in the certifier's plan order, or from σ = 1 down in the map); every key once. α is split equally over the chains; within a chain, test i owns the
-    share ``weights[c][i]`` (normalised; default :data:`HEAD_SHARE` for the first, the rest halving below
-    it, the last taking what is left). ``level(key)``: its own share plus the level of the test before it
-    when that one settled safe. ``settle(key, safe)``: record a final verdict; a safe one passes its level
-    on down the chain (past tests already settled safe). Chains and weights must not depend on the evidence.
+    ``chains``: the planned tests as chains of keys, each in its fixed test order; a key may be in several
+    chains (at most once in each). ``shares``: each chain's part of α (normalised; default equal). Within a
+    chain, test i owns the share ``weights[c][i]`` of the chain's part (normalised; default :data:`HEAD_SHARE`
+    for the first, the rest halving after it, the last taking what is left). ``level(key)``: the sum over
+    the chains it is in of its own share there plus what that chain carried to it. ``settle(key, safe)``:
+    record a final verdict; a safe one passes each chain's part of its level to the next test of *that*
+    chain not settled safe, from the chain's last test on to its first (a chain is a cycle: nothing is lost
+    while one of its tests is open). Chains, shares and weights must not depend on the evidence.
     """
 
-    def __init__(self, chains: Sequence[Sequence[Hashable]], alpha: float, weights: Mapping[int, Sequence[float]] | None = None):
+    def __init__(
+        self,
+        chains: Sequence[Sequence[Hashable]],
+        alpha: float,
+        weights: Mapping[int, Sequence[float]] | None = None,
+        shares: Sequence[float] | None = None,
+    ):
         if not 0.0 < alpha < 1.0:
             raise ValueError(f"family: alpha {alpha} must be strictly between 0 and 1")
-        keys = [key for chain in chains for key in chain]
-        if len(set(keys)) != len(keys):
-            raise ValueError("family: a test is in more than one place of the chains")
+        shares = [1.0] * len(chains) if shares is None else list(shares)
+        if len(shares) != len(chains) or any(not x >= 0 for x in shares):
+            raise ValueError(f"family: {len(chains)} chains and shares {shares} (one non-negative share each)")
+        kept = [c for c, chain in enumerate(chains) if chain]
+        total = math.fsum(shares[c] for c in kept)
+        if kept and not total > 0:
+            raise ValueError(f"family: shares {shares} give no chain any part of alpha")
         self.alpha = alpha
-        self.own: dict[Hashable, float] = {}
-        self.next: dict[Hashable, Hashable | None] = {}
-        self.carried: dict[Hashable, float] = dict.fromkeys(keys, 0.0)
+        self.own: dict[Hashable, dict[int, float]] = {}  # key -> chain -> its own share there
+        self.carried: dict[Hashable, dict[int, float]] = {}  # key -> chain -> what that chain passed to it
+        self.next: dict[Hashable, dict[int, Hashable]] = {}  # key -> chain -> the test after it there (cyclic)
         self.settled: dict[Hashable, bool] = {}
-        chains = [list(c) for c in chains if c]
-        for c, chain in enumerate(chains):
+        for c in kept:
+            chain = list(chains[c])
+            if len(set(chain)) != len(chain):
+                raise ValueError(f"family: a test is in more than one place of chain {c}")
             w = list((weights or {}).get(c, default_weights(len(chain))))
             if len(w) != len(chain) or any(x < 0 for x in w) or not sum(w) > 0:
                 raise ValueError(f"family: chain {c} has {len(chain)} tests and weights {w} (one non-negative weight each, not all 0)")
-            for key, share, after in zip(chain, w, [*chain[1:], None], strict=True):
-                self.own[key] = alpha / len(chains) * share / sum(w)
-                self.next[key] = after
+            for key, share, after in zip(chain, w, [*chain[1:], chain[0]], strict=True):  # the last one's next: the first
+                self.own.setdefault(key, {})[c] = alpha * shares[c] / total * share / sum(w)
+                self.carried.setdefault(key, {})[c] = 0.0
+                self.next.setdefault(key, {})[c] = after
 
     @classmethod
     def bonferroni(cls, keys: Sequence[Hashable], alpha: float) -> Family:
         """Every test its own chain: each read at α / len(keys), nothing passed on."""
         return cls([[key] for key in keys], alpha)
 
+    @classmethod
+    def both_ends(cls, routes: Sequence[tuple[Sequence[Hashable], Sequence[Hashable]]], alpha: float) -> Family:
+        """Two chains per route through the same tests: (the search's order, its lowest bin up); α equally over
+        the routes, :data:`SEARCH_SHARE` of a route's part to the first chain, the rest to the second."""
+        chains = [chain for pair in routes for chain in pair]
+        return cls(chains, alpha, shares=[x for _ in routes for x in (SEARCH_SHARE, 1.0 - SEARCH_SHARE)])
+
+    @property
+    def keys(self) -> list[Hashable]:
+        """Every planned test once, first seen first."""
+        return list(self.own)
+
     def level(self, key: Hashable) -> float:
         """The level ``key`` may be read safe at now."""
         if key not in self.own:
             raise KeyError(f"family: {key!r} is not one of the planned tests")
-        return self.own[key] + self.carried[key]
+        return math.fsum(self.own[key][c] + self.carried[key][c] for c in self.own[key])
 
     def settle(self, key: Hashable, safe: bool) -> None:
-        """``key``'s final verdict; a safe one passes its level to the next test of its chain not settled safe."""
+        """``key``'s final verdict; a safe one passes each chain's part of its level to the next test of that
+        chain not settled safe (after the last, the first)."""
         if key in self.settled:
             raise ValueError(f"family: {key!r} was settled already")
-        amount = self.level(key)
+        self.level(key)  # a planned test
         self.settled[key] = safe
-        after = self.next[key] if safe else None
-        while after is not None and self.settled.get(after):
-            after = self.next[after]
-        if after is not None:
-            self.carried[after] += amount
+        if not safe:
+            return
+        for c, after in self.next[key].items():
+            while after != key and self.settled.get(after):
+                after = self.next[after][c]
+            if after != key:  # back at the key: every test of the chain is safe, nothing left to pass to
+                self.carried[after][c] += self.own[key][c] + self.carried[key][c]
 
 
 def default_weights(length: int) -> list[float]:

@@ -5,9 +5,9 @@ Interface (``certify.py`` and ``estimator.py`` read every bin through it):
 
 - ``read(values, looks, level, margin) -> Bound`` and ``verdict(bound, margin, looks, level)``: one test's
   bound and verdict, its safe read at the one-sided false-safe ``level`` (that test's share of the family).
-- :class:`Family`: ``Family(chains, alpha)``, ``family.level(key)``, ``family.settle(key, safe)``,
-  ``Family.bonferroni(keys, alpha)``: turns the tests a run plans (chains of keys in a fixed order, one chain
-  per route) and the family-wise α into per-test levels.
+- :class:`Family`: ``Family(chains, alpha)``, ``Family.both_ends(routes, alpha)``, ``family.level(key)``,
+  ``family.settle(key, safe)``, ``Family.bonferroni(keys, alpha)``: turns the tests a run plans (chains of
+  keys in a fixed order, two per route) and the family-wise α into per-test levels.
 
 Per-image estimate. For one probe image and σ bin, D draws give native gradients n_d and, with paired
 noise (``paired.py``), route gradients r_d (σ_d drawn i.i.d. uniform in the bin, shared by the pair).
@@ -44,12 +44,14 @@ mean, a probe set misses them all with probability (1 − p)^n, and any rule tha
 population certifies the whole that often (docs/FIDELITY.md §9.5 tests where this fails).
 
 The family. A run reads many bins; the guarantee is family-wise: P(any window of the run false-safe) ≤ α.
-:class:`Family` is a Bonferroni-based fallback procedure (Wiens 2003; a graphical procedure, Bretz et al.
-2009): α is split over chains (a route's bins in the fixed order of the search), a test's level is its own
-share plus the level of the test before it in its chain when that one settled safe, so levels accumulate
-down a run of safe bins and a not-safe bin does not end its chain. Strong control holds under any
-dependence between the tests (same images, same draws) as long as the chains and weights are fixed
-before any evidence and each test is read safe at most at its level as it stands then.
+:class:`Family` is a graphical procedure (Bretz et al. 2009) of fallback chains (Wiens 2003): α is split
+over the routes and, within a route, over two chains through the same bins, one in the search's fixed
+order and one from its lowest bin up; a test's level is the sum over its chains of its own share plus
+what that chain carried to it from the tests before it that settled safe, so levels accumulate along a
+run of safe bins from either end and a not-safe bin does not end its chains. Strong control holds under
+any dependence between the tests (same images, same draws) as long as the chains, shares and weights are
+fixed before any evidence and each test is read safe at most at its level as it stands then
+(``safe_read.py`` gives the argument).
 """
 
 from __future__ import annotations
@@ -259,6 +261,6 @@ def describe_safe_read(looks: Looks, margin: float) -> str:
     """One line for windows files, logs and banners: how a bin is read safe and at what family-wise α."""
     return (
         f"safe = mean + c·sd/√n < ε = {margin:g} on {looks.first_safe} distinct probe images, c the studentized quantile "
-        f"of the heavy reference laws (lognormal 1.5, Lomax 1.5) at each test's level; levels from the fallback chains "
-        f"(a route's bins in the plan's order): false-safe ≤ α = {looks.alpha:g} family-wise over routes and bins"
+        f"of the heavy reference laws (lognormal 1.5, Lomax 1.5) at each test's level; levels from two fallback chains per route "
+        f"(its bins in the plan's order, and from its lowest bin up): false-safe ≤ α = {looks.alpha:g} family-wise over routes and bins"
     )

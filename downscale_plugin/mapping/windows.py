@@ -241,7 +241,7 @@ def windows_toml(result: MapResult, command: str = "", date: str | None = None, 
         f"# bins: {result.bins.spec()}",
         f"# margin ε = {s.margin:g}; safe = mean + c·sd/√N of the paired debiased excess over the native redraw floor < ε, c "
         f"calibrated on heavy tails at each bin's level; false-safe ≤ {s.alpha:g} family-wise over every arm and bin "
-        f"({'Bonferroni' if s.simultaneous else 'fallback chains from σ = 1 down per arm'})",
+        f"({'Bonferroni' if s.simultaneous else 'fallback chains per arm from σ = 1 down and from its lowest bin up'})",
         f"# date: {date}",
         f"# command: {command or '?'}",
         f"# routed steps run with sigma_policy = {setting[0]}, positions = {setting[1]} (arms: {', '.join(a.name for a in result.routes(setting))})",

@@ -456,7 +456,7 @@ def main() -> None:
     args = p.parse_args()
     rho_reps = args.rho_reps or max(args.reps // 4, 1)
     torch.set_num_threads(1)
-    t0 = time.process_time()
+    t0, code = time.process_time(), revision()  # the code that runs (docs may be committed while it does)
     setting = Setting()
     rng = np.random.default_rng(args.seed)
     head = head_level(setting)
@@ -492,7 +492,7 @@ def main() -> None:
     )
     text = "\n\n".join(
         [
-            f"{command}; code revision {revision()}; ε = {MARGIN:g} (DEFAULT_MARGIN), family-wise α = {ALPHA:g}; runs per row: "
+            f"{command}; code revision {code}; ε = {MARGIN:g} (DEFAULT_MARGIN), family-wise α = {ALPHA:g}; runs per row: "
             f"{args.reps} (exact), {rho_reps} (ρ); {minutes:.1f} CPU minutes",
             f"family-wise false-safe, worst case = {worst_case:.3f} ({worst_row}; 95 % upper limit of the Monte Carlo "
             f"{upper_95(worst_case, runs[worst_row]):.3f})",
@@ -531,7 +531,7 @@ def main() -> None:
             fh.write(text + "\n")
         blob = {
             "command": command,
-            "revision": revision(),
+            "revision": code,
             "alpha": ALPHA,
             "margin": MARGIN,
             "reps": args.reps,

@@ -1,7 +1,7 @@
 """Family-wise false-safe rate and power of the certifier as it runs, on heavy-tailed per-image excess (docs/FIDELITY.md §9.5).
 
     python benchmarks/bench_certify_bound.py                   # a smoke run (20 runs per exact row, 5 per ρ row)
-    python benchmarks/bench_certify_bound.py --reps 200 --out docs/fidelity/certify_bound
+    python benchmarks/bench_certify_bound.py --reps 160 --out docs/fidelity/certify_bound   # 19 CPU minutes
 
 Every simulated run IS a certification: ``certify.run_certify`` with the default settings (ε =
 ``certify_config.DEFAULT_MARGIN``, D = 4, looks 4/8/16, family-wise α = 0.05, the default 14 bins with σ mass, routes

@@ -69,6 +69,15 @@ TARGET_OVERHEAD = 0.005  # nothing routes: ≤ 0.5 % of the native step
 TARGET_ERROR = 0.03  # |predicted − measured relative cost| ≤ 3 % of the native step
 MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16"}  # sd-scripts' --mixed_precision for each step dtype
 SD3_X_ATTN_BLOCKS = 13  # SD3.5-Medium's first 13 joint blocks carry the extra image self-attention (MMDiT-X)
+# Each denoiser's block lists, their published lengths, and the blocks the reduced model keeps (indices into the
+# published list; a list not named is kept whole): two of each kind, SD3 two with the extra attention, two without, the last.
+BLOCK_LISTS = {"flux": ("double_blocks", "single_blocks"), "sd3": ("joint_blocks",),
+               "lumina": ("context_refiner", "noise_refiner", "layers"), "anima": ("blocks",)}  # fmt: skip
+FULL_BLOCKS = {"flux": {"double_blocks": 19, "single_blocks": 38}, "sd3": {"joint_blocks": 24},
+               "lumina": {"context_refiner": 2, "noise_refiner": 2, "layers": 26}, "anima": {"blocks": 28}}  # fmt: skip
+REDUCED_BLOCKS = {"flux": {"double_blocks": (0, 1), "single_blocks": (0, 1)},
+                  "sd3": {"joint_blocks": (0, 1, SD3_X_ATTN_BLOCKS, SD3_X_ATTN_BLOCKS + 1, 23)},
+                  "lumina": {"layers": (0, 1)}, "anima": {"blocks": (0, 1)}}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -93,12 +102,16 @@ def _module(name: str) -> Any:
     return importlib.import_module(name)
 
 
+def _depth(arch: str, blocks: str, full: bool) -> int:
+    return FULL_BLOCKS[arch][blocks] if full else len(REDUCED_BLOCKS[arch][blocks])
+
+
 def build_flux(full: bool) -> torch.nn.Module:
     """FLUX.1-dev's width and heads (``flux_models.configs['dev']``): hidden 3072, 24 heads."""
     flux_models = _module("library.flux_models")
     params = flux_models.FluxParams(
         in_channels=64, vec_in_dim=768, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24,
-        depth=19 if full else 2, depth_single_blocks=38 if full else 2, axes_dim=[16, 56, 56], theta=10_000,
+        depth=_depth("flux", "double_blocks", full), depth_single_blocks=_depth("flux", "single_blocks", full), axes_dim=[16, 56, 56], theta=10_000,
         qkv_bias=True, guidance_embed=True,
     )  # fmt: skip
     return flux_models.Flux(params)
@@ -116,12 +129,12 @@ def build_sd3(full: bool) -> torch.nn.Module:
         strategy_base.TextEncodingStrategy.set_strategy(strategy_sd3.Sd3TextEncodingStrategy())
     with torch.device("meta"):
         model = sd3_models.MMDiT(
-            input_size=None, pos_embed_max_size=64, patch_size=2, in_channels=16, adm_in_channels=2048, depth=24, mlp_ratio=4,
+            input_size=None, pos_embed_max_size=64, patch_size=2, in_channels=16, adm_in_channels=2048, depth=FULL_BLOCKS["sd3"]["joint_blocks"], mlp_ratio=4,
             num_patches=64 * 64, context_embedder_in_features=4096, context_embedder_out_features=1536, qk_norm="rms",
             x_block_self_attn_layers=list(range(SD3_X_ATTN_BLOCKS)), model_type="sd3.5m",
         )  # fmt: skip
     if not full:
-        keep = [0, 1, SD3_X_ATTN_BLOCKS, SD3_X_ATTN_BLOCKS + 1, 23]
+        keep = REDUCED_BLOCKS["sd3"]["joint_blocks"]
         model.joint_blocks = torch.nn.ModuleList(model.joint_blocks[i] for i in keep)
         model.num_blocks = len(keep)
     model.to_empty(device=torch.get_default_device())  # the device the caller builds on
@@ -140,7 +153,7 @@ def build_lumina(full: bool) -> torch.nn.Module:
     lumina_models = _module("library.lumina_models")
     p = lumina_models.LuminaParams.get_2b_config()
     return lumina_models.NextDiT(
-        patch_size=p.patch_size, in_channels=p.in_channels, dim=p.dim, n_layers=p.n_layers if full else 2, n_refiner_layers=2,
+        patch_size=p.patch_size, in_channels=p.in_channels, dim=p.dim, n_layers=_depth("lumina", "layers", full), n_refiner_layers=FULL_BLOCKS["lumina"]["noise_refiner"],
         n_heads=p.n_heads, n_kv_heads=p.n_kv_heads, axes_dims=p.axes_dims, axes_lens=p.axes_lens, qk_norm=p.qk_norm,
         cap_feat_dim=p.cap_feat_dim,
     )  # fmt: skip
@@ -151,7 +164,7 @@ def build_anima(full: bool) -> torch.nn.Module:
     anima_models = _module("library.anima_models")
     return anima_models.Anima(
         max_img_h=512, max_img_w=512, max_frames=128, in_channels=16, out_channels=16, patch_spatial=2, patch_temporal=1,
-        concat_padding_mask=True, model_channels=2048, num_blocks=28 if full else 2, num_heads=16, crossattn_emb_channels=1024,
+        concat_padding_mask=True, model_channels=2048, num_blocks=_depth("anima", "blocks", full), num_heads=16, crossattn_emb_channels=1024,
         pos_emb_cls="rope3d", pos_emb_learnable=True, use_adaln_lora=True, adaln_lora_dim=256, rope_h_extrapolation_ratio=4.0,
         rope_w_extrapolation_ratio=4.0, rope_enable_fps_modulation=False, use_llm_adapter=True,
     )  # fmt: skip

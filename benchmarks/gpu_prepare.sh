@@ -61,7 +61,10 @@ files=$(cd "$HOST" && find . -maxdepth 1 -name '*.py' && find library networks -
 # shellcheck disable=SC2086 # one path a word: the host's file names have no spaces
 (cd "$HOST" && tar -cf - $files) | tar -C "$GPU/hosts/sd-scripts" -xf -
 host_hash=$(cd "$GPU/hosts/sd-scripts" && find . -type f | LC_ALL=C sort | xargs sha256sum | sha256sum | cut -c1-16)
-revision=$(git -C "$REPO" rev-parse HEAD)$(git -C "$REPO" diff --quiet HEAD -- . 2>/dev/null || echo "+changes")
+revision=unknown  # a checkout without git history: gpu_check.sh then says so
+if git -C "$REPO" rev-parse -q HEAD >/dev/null 2>&1; then
+    revision=$(git -C "$REPO" rev-parse HEAD)$(git -C "$REPO" diff --quiet HEAD -- . || echo "+changes")
+fi
 {
     echo "revision $revision"
     echo "sd-scripts $HOST: $(echo "$files" | wc -l) files, sha256 of the tree $host_hash"
@@ -71,7 +74,11 @@ revision=$(git -C "$REPO" rev-parse HEAD)$(git -C "$REPO" diff --quiet HEAD -- .
 cat "$GPU/SOURCES" >&2
 
 size=$(du -sb "$GPU" | cut -f1)
-tree=$(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
+if [[ $revision == unknown ]]; then  # no git to say what is ignored: the whole checkout
+    tree=$(du -sb --exclude=.gpu "$REPO" | cut -f1)
+else  # what the device tool sends: tracked files and untracked ones git does not ignore
+    tree=$(cd "$REPO" && git ls-files -co --exclude-standard -z | xargs -0 du -cb 2>/dev/null | tail -n 1 | cut -f1)
+fi
 mib() { awk -v b="$1" 'BEGIN { printf "%.1f MiB", b / 1048576 }'; }
 echo "$GPU: $(mib "$size"); with the working tree that travels: $(mib $((size + tree))) (limit $(mib $LIMIT))"
 if ((size + tree > LIMIT)); then

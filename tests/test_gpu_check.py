@@ -212,9 +212,8 @@ def test_the_gpu_check_runs_end_to_end_on_cpu_and_writes_every_json(prepared, tm
     out = tmp_path / "check"
     done = _run(prepared / "benchmarks" / "gpu_check.sh", str(out), "--cpu-smoke", env=_offline_env())
     assert done.returncode == 0, done.stderr[-4000:]
-    assert sorted(p.name for p in out.iterdir()) == sorted(
-        f"{name}.{ext}" for name in ("production", "rng", "certify_memory") for ext in ("json", "log")
-    ) + ["gpu_check.json", "install.log"]  # 8 files: the most the device tool brings back
+    parts = [f"{name}.{ext}" for name in ("production", "rng", "certify_memory") for ext in ("json", "log")]
+    assert sorted(p.name for p in out.iterdir()) == sorted([*parts, "gpu_check.json", "install.log"])  # 8: what the device tool brings back
     summary = json.loads((out / "gpu_check.json").read_text())
     bf16 = torch.backends.mkldnn.is_available() and torch.ops.mkldnn._is_mkldnn_bf16_supported()
     dtype, weight_dtype = ("bf16", "torch.bfloat16") if bf16 else ("fp32", "torch.float32")

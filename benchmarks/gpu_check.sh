@@ -34,11 +34,13 @@
 # device without --cpu-smoke.
 #
 # Memory on an 80 GB card (benchmarks/gpu_memory_estimate.py; RESULTS.md "The prepared GPU check" has the table):
-# bf16 weights + LoRA states + activations at 1 024 px and production text lengths, published depth:
-#   sd3 14.1 GiB, anima _, lumina _ without checkpointing; flux _ without, _ with gradient checkpointing (its
-#   float32 build before the bf16 conversion peaks at _ GiB). Checkpointed where the estimate passes 60 GiB: flux.
-# Time on one H100 (400 TFLOP/s effective bf16 assumed; the FLOP model's steps, downscale_plugin/flops.py, plus the
-# start-up the smoke run measures): about _ min in all, under the 8 minutes a device call is planned for.
+# bf16 weights + LoRA states + activations at 1 024 px and production text lengths, published depth, without
+# gradient checkpointing: sd3 14.1 GiB, anima 16.0, lumina 28.7, flux 59.1. Checkpointed where that passes 58.5 GiB
+# (three quarters of the 78 GiB an H100 leaves usable): flux, 25.8 GiB with it. The check's peak is Flux's float32
+# build before its bf16 conversion, 44.3 GiB.
+# Time on one H100 (gpu_time_estimate.py: the FLOP model's steps, downscale_plugin/flops.py, at an assumed 400
+# TFLOP/s effective bf16, plus the start-up, building and imports a CPU smoke run measured): about 5 minutes in all
+# (5.5 at 200 TFLOP/s), under the 8 a device call is planned for.
 set -uo pipefail
 if [[ $# -lt 1 || "${1:-}" == -* ]]; then
     echo "usage: $0 OUT_DIR [--cpu-smoke]" >&2
@@ -60,7 +62,7 @@ for name in "${PARTS[@]}"; do
 done
 REPO=$(cd "$(dirname "$0")/.." && pwd)
 GPU=$REPO/.gpu
-CHECKPOINTED=flux  # gpu_memory_estimate.py: only Flux passes 60 GiB without gradient checkpointing
+CHECKPOINTED=flux  # gpu_memory_estimate.py: only Flux passes 58.5 GiB without gradient checkpointing
 if [[ ! -f "$GPU/requirements.txt" || ! -f "$GPU/hosts/sd-scripts/flux_train_network.py" ]]; then
     echo "$0: no prepared $GPU (run 'bash benchmarks/gpu_prepare.sh' where a registry is reachable, then carry .gpu)" >&2
     exit 2

@@ -5,7 +5,7 @@ Without a host: usage, and the install from ``.gpu/`` (a wheel made here, ``pip 
 address and proxy pointing at a closed port and a poisoned ``../shared`` beside the checkout. With ``SD_SCRIPTS_DIR``:
 ``gpu_prepare.sh`` fills ``.gpu/`` of a copy of this checkout (it downloads the pinned wheels), and the check runs from
 that copy on CPU (``--cpu-smoke``): the memory part with bounds no run meets must exit 1 and say so (1–2 min on the
-loaded 2-core machine), and the whole check must pass (``long``: 5–7 min there). ``bench_production.targets`` and
+loaded 2-core machine), and the whole check must pass (``long``: 3–7 min there). ``bench_production.targets`` and
 ``gpu_rng_check.compare``, the verdicts, are tested on made-up figures."""
 
 from __future__ import annotations

@@ -14,10 +14,14 @@ Each setting (probe count × bin count) runs in its own process: the host figure
 set during the certification (``VmHWM`` after resetting it through ``/proc/self/clear_refs``; where
 that cannot be reset, the process's ``ru_maxrss``) minus the resident set before it; on CUDA also
 ``torch.cuda.max_memory_allocated`` minus the allocation before it. Both divided by the adapter's
-parameter count. The last word of each line is the figure the issue asks for:
+parameter count. Each line gives the figure after ``certify peak bytes/param = ``:
 
     python benchmarks/bench_certify_memory.py --threads 1                       # CPU
     python benchmarks/bench_certify_memory.py --device cuda --json mem.json      # one GPU
+
+The target: that figure at most ``--max_bytes_per_param`` (default 34, the bound README.md states for a
+float32 adapter); each row says whether it is met, the JSON lists the settings that miss it (``missed``),
+and ``--enforce`` exits 1 when one does.
 
 What stays per parameter while a draw is taken: each arm's running sum (float32), the native draw of
 the pair and the draw being taken (``mapping/sequential.py`` ``PairedSums``); before it, every
@@ -45,6 +49,7 @@ from downscale_plugin.mapping.sequential import Looks
 
 WIDTH, RANK, LATENT = 3072, 16, (4, 16, 16)  # FLUX's width, a common LoRA rank, a small latent
 ROUTES = (0.875, 0.75)
+MAX_BYTES_PER_PARAM = 34.0  # README.md: the certifier's memory is at most 22–34 bytes per float32 adapter parameter
 
 
 class SyntheticAdapter:
@@ -157,6 +162,8 @@ def main() -> int:
     parser.add_argument("--draws", type=int, default=2)
     parser.add_argument("--threads", type=int, help="torch intra-op threads")
     parser.add_argument("--json", help="write the rows here")
+    parser.add_argument("--max_bytes_per_param", type=float, default=MAX_BYTES_PER_PARAM, help="target: the figure, at most")
+    parser.add_argument("--enforce", action="store_true", help="exit 1 when a setting misses the target")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # PROBES,BINS: one setting in this process
     args = parser.parse_args()
     if args.threads:
@@ -173,17 +180,22 @@ def main() -> int:
             out = subprocess.run([sys.executable, os.path.abspath(__file__), *passthrough, "--one", f"{images},{bins}"],
                                  check=True, capture_output=True, text=True).stdout  # fmt: skip
             row = json.loads(out.strip().splitlines()[-1])
+            row["bytes_per_param"] = row.get("device_bytes_per_param", row["host_bytes_per_param"])  # the figure the target bounds
+            row["met"] = row["bytes_per_param"] <= args.max_bytes_per_param
             rows.append(row)
             figure = f"host {row['host_bytes_per_param']:.1f}"
             if "device_bytes_per_param" in row:
                 figure = f"device {row['device_bytes_per_param']:.1f}, {figure}"
             print(f"{row['params'] / 1e6:.1f} M params, {images} probes x {bins} bins, D = {row['draws']}, "
                   f"{row['groups']} groups, {row['safe']}/{row['tests']} safe, {row['wall_s']} s: "
-                  f"{figure}; certify peak bytes/param = {row.get('device_bytes_per_param', row['host_bytes_per_param']):.1f}", flush=True)  # fmt: skip
+                  f"{figure}; certify peak bytes/param = {row['bytes_per_param']:.1f} (target <= {args.max_bytes_per_param:g}: "
+                  f"{'met' if row['met'] else 'MISSED'})", flush=True)  # fmt: skip
+            missed = [f"{r['probes']} probes x {r['bins']} bins: {r['bytes_per_param']} bytes/param" for r in rows if not r["met"]]
             if args.json:
                 with open(args.json, "w") as fh:
-                    json.dump({"command": "python " + " ".join(sys.argv), "rows": rows}, fh, indent=1)
-    return 0
+                    summary = {"command": "python " + " ".join(sys.argv), "max_bytes_per_param": args.max_bytes_per_param}
+                    json.dump({**summary, "rows": rows, "missed": missed, "ok": not missed}, fh, indent=1)
+    return 1 if args.enforce and missed else 0
 
 
 if __name__ == "__main__":

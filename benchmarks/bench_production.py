@@ -16,11 +16,14 @@ Printed per architecture: median step time per arm; per route the measured relat
 saving against the FLOP model's (``downscale_plugin/flops.py`` evaluated at the benchmark's own
 depth, text tokens and rank), the prediction error as a share of the native step, the overhead of
 ``never``, and the targets beside them. The last lines read ``ARCH realized/predicted = X``
-(X: the mean over the two routes). ``--json PATH`` writes the figures.
+(X: the mean over the two routes). ``--json PATH`` writes the figures, each architecture's targets
+(``targets``: value, bound, met) and the ones missed (``missed``); ``--enforce`` exits 1 when one is
+missed. On CUDA each architecture's peak device memory is recorded (``device_peak_gib``).
 
     SD_SCRIPTS_DIR=/path/to/sd-scripts python benchmarks/bench_production.py   # CPU: 256 px, reduced depth
     SD_SCRIPTS_DIR=... python benchmarks/bench_production.py --threads 1 --clock cpu   # a CPU shared with other jobs
     SD_SCRIPTS_DIR=... python benchmarks/bench_production.py --device cuda --dtype bf16 --full_depth --json gpu.json
+    SD_SCRIPTS_DIR=... python benchmarks/bench_production.py ... --gradient_checkpointing flux   # only Flux checkpointed
 
 The CPU default is 256 px because a production-width step at 1 024 px takes minutes on two cores;
 ``--full_depth`` (the published depths) defaults to 1 024 px and the trainers' default text lengths.
@@ -31,6 +34,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
+import gc
 import importlib
 import json
 import logging
@@ -69,6 +73,15 @@ TARGET_OVERHEAD = 0.005  # nothing routes: ≤ 0.5 % of the native step
 TARGET_ERROR = 0.03  # |predicted − measured relative cost| ≤ 3 % of the native step
 MIXED_PRECISION = {torch.float32: "no", torch.bfloat16: "bf16"}  # sd-scripts' --mixed_precision for each step dtype
 SD3_X_ATTN_BLOCKS = 13  # SD3.5-Medium's first 13 joint blocks carry the extra image self-attention (MMDiT-X)
+# Each denoiser's block lists, their published lengths, and the blocks the reduced model keeps (indices into the
+# published list; a list not named is kept whole): two of each kind, SD3 two with the extra attention, two without, the last.
+BLOCK_LISTS = {"flux": ("double_blocks", "single_blocks"), "sd3": ("joint_blocks",),
+               "lumina": ("context_refiner", "noise_refiner", "layers"), "anima": ("blocks",)}  # fmt: skip
+FULL_BLOCKS = {"flux": {"double_blocks": 19, "single_blocks": 38}, "sd3": {"joint_blocks": 24},
+               "lumina": {"context_refiner": 2, "noise_refiner": 2, "layers": 26}, "anima": {"blocks": 28}}  # fmt: skip
+REDUCED_BLOCKS = {"flux": {"double_blocks": (0, 1), "single_blocks": (0, 1)},
+                  "sd3": {"joint_blocks": (0, 1, SD3_X_ATTN_BLOCKS, SD3_X_ATTN_BLOCKS + 1, 23)},
+                  "lumina": {"layers": (0, 1)}, "anima": {"blocks": (0, 1)}}  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -93,12 +106,16 @@ def _module(name: str) -> Any:
     return importlib.import_module(name)
 
 
+def _depth(arch: str, blocks: str, full: bool) -> int:
+    return FULL_BLOCKS[arch][blocks] if full else len(REDUCED_BLOCKS[arch][blocks])
+
+
 def build_flux(full: bool) -> torch.nn.Module:
     """FLUX.1-dev's width and heads (``flux_models.configs['dev']``): hidden 3072, 24 heads."""
     flux_models = _module("library.flux_models")
     params = flux_models.FluxParams(
         in_channels=64, vec_in_dim=768, context_in_dim=4096, hidden_size=3072, mlp_ratio=4.0, num_heads=24,
-        depth=19 if full else 2, depth_single_blocks=38 if full else 2, axes_dim=[16, 56, 56], theta=10_000,
+        depth=_depth("flux", "double_blocks", full), depth_single_blocks=_depth("flux", "single_blocks", full), axes_dim=[16, 56, 56], theta=10_000,
         qkv_bias=True, guidance_embed=True,
     )  # fmt: skip
     return flux_models.Flux(params)
@@ -116,12 +133,12 @@ def build_sd3(full: bool) -> torch.nn.Module:
         strategy_base.TextEncodingStrategy.set_strategy(strategy_sd3.Sd3TextEncodingStrategy())
     with torch.device("meta"):
         model = sd3_models.MMDiT(
-            input_size=None, pos_embed_max_size=64, patch_size=2, in_channels=16, adm_in_channels=2048, depth=24, mlp_ratio=4,
+            input_size=None, pos_embed_max_size=64, patch_size=2, in_channels=16, adm_in_channels=2048, depth=FULL_BLOCKS["sd3"]["joint_blocks"], mlp_ratio=4,
             num_patches=64 * 64, context_embedder_in_features=4096, context_embedder_out_features=1536, qk_norm="rms",
             x_block_self_attn_layers=list(range(SD3_X_ATTN_BLOCKS)), model_type="sd3.5m",
         )  # fmt: skip
     if not full:
-        keep = [0, 1, SD3_X_ATTN_BLOCKS, SD3_X_ATTN_BLOCKS + 1, 23]
+        keep = REDUCED_BLOCKS["sd3"]["joint_blocks"]
         model.joint_blocks = torch.nn.ModuleList(model.joint_blocks[i] for i in keep)
         model.num_blocks = len(keep)
     model.to_empty(device=torch.get_default_device())  # the device the caller builds on
@@ -140,7 +157,7 @@ def build_lumina(full: bool) -> torch.nn.Module:
     lumina_models = _module("library.lumina_models")
     p = lumina_models.LuminaParams.get_2b_config()
     return lumina_models.NextDiT(
-        patch_size=p.patch_size, in_channels=p.in_channels, dim=p.dim, n_layers=p.n_layers if full else 2, n_refiner_layers=2,
+        patch_size=p.patch_size, in_channels=p.in_channels, dim=p.dim, n_layers=_depth("lumina", "layers", full), n_refiner_layers=FULL_BLOCKS["lumina"]["noise_refiner"],
         n_heads=p.n_heads, n_kv_heads=p.n_kv_heads, axes_dims=p.axes_dims, axes_lens=p.axes_lens, qk_norm=p.qk_norm,
         cap_feat_dim=p.cap_feat_dim,
     )  # fmt: skip
@@ -151,7 +168,7 @@ def build_anima(full: bool) -> torch.nn.Module:
     anima_models = _module("library.anima_models")
     return anima_models.Anima(
         max_img_h=512, max_img_w=512, max_frames=128, in_channels=16, out_channels=16, patch_spatial=2, patch_temporal=1,
-        concat_padding_mask=True, model_channels=2048, num_blocks=28 if full else 2, num_heads=16, crossattn_emb_channels=1024,
+        concat_padding_mask=True, model_channels=2048, num_blocks=_depth("anima", "blocks", full), num_heads=16, crossattn_emb_channels=1024,
         pos_emb_cls="rope3d", pos_emb_learnable=True, use_adaln_lora=True, adaln_lora_dim=256, rope_h_extrapolation_ratio=4.0,
         rope_w_extrapolation_ratio=4.0, rope_enable_fps_modulation=False, use_llm_adapter=True,
     )  # fmt: skip
@@ -375,28 +392,61 @@ def summarize(bench: Bench) -> dict:
     return out
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The targets' bounds (``--min_realized``, ``--max_error``, ``--max_overhead``)."""
+
+    min_realized: float = TARGET_REALIZED
+    max_error: float = TARGET_ERROR
+    max_overhead: float = TARGET_OVERHEAD
+
+
+def targets(s: dict, bounds: Bounds) -> list[dict]:
+    """Each target of one architecture's summary: per route realized/predicted ≥ ``min_realized`` and |error| ≤
+    ``max_error``; with nothing routed, the end-to-end overhead and the hook's own share ≤ ``max_overhead``. A NaN
+    figure misses."""
+    rows = []
+    for name, r in s["routes"].items():
+        rows.append({"target": f"{name} realized/predicted", "value": r["realized_over_predicted"], "bound": f">= {bounds.min_realized}",
+                     "met": r["realized_over_predicted"] >= bounds.min_realized})  # fmt: skip
+        rows.append(
+            {
+                "target": f"{name} |error|",
+                "value": abs(r["error"]),
+                "bound": f"<= {bounds.max_error}",
+                "met": abs(r["error"]) <= bounds.max_error,
+            }
+        )
+    for name in ("overhead", "hook_share"):
+        rows.append({"target": name, "value": s[name], "bound": f"<= {bounds.max_overhead}", "met": s[name] <= bounds.max_overhead})
+    return rows
+
+
 def report(s: dict) -> str:
+    """The summary as markdown, each figure beside its target (``s["targets"]``)."""
+    verdict = {t["target"]: f"{t['bound']}: {'met' if t['met'] else 'MISSED'}" for t in s["targets"]}
     lines = [f"## {s['arch']}: {s['px']} px ({s['image_tokens']['native']} image + {s['text_tokens']} text tokens), {s['flop_model']}"]
     lines.append("| arm | median step s | ratio to native |")
     lines.append("|---|---|---|")
     for name, t in s["median_s"].items():
         lines.append(f"| {name} | {t:.3f} | {t / s['median_s']['native']:.4f} |")
     lines.append(
-        "| route | image tokens | measured cost | FLOP model | error (of native step) | saving realized | predicted | realized/predicted (target ≥ 0.95) |"
+        "| route | image tokens | measured cost | FLOP model | error (of native step) | saving realized | predicted | realized/predicted |"
     )
     lines.append("|---|---|---|---|---|---|---|---|")
     for name, r in s["routes"].items():
-        ok = "met" if r["realized_over_predicted"] >= TARGET_REALIZED else "MISSED"
-        err_ok = "met" if abs(r["error"]) <= TARGET_ERROR else "MISSED"
         lines.append(
-            f"| {name} | {r['image_tokens']} | {r['measured_rel']:.4f} | {r['predicted_rel']:.4f} | {100 * r['error']:+.2f} % ({err_ok}) "
-            f"| {100 * r['realized_saving']:.1f} % | {100 * r['predicted_saving']:.1f} % | {r['realized_over_predicted']:.3f} ({ok}) |"
+            f"| {name} | {r['image_tokens']} | {r['measured_rel']:.4f} | {r['predicted_rel']:.4f} | {100 * r['error']:+.2f} % "
+            f"({verdict[name + ' |error|']}) | {100 * r['realized_saving']:.1f} % | {100 * r['predicted_saving']:.1f} % "
+            f"| {r['realized_over_predicted']:.3f} ({verdict[name + ' realized/predicted']}) |"
         )
-    ok = "met" if s["overhead"] <= TARGET_OVERHEAD else "MISSED"
-    hook_ok = "met" if s["hook_share"] <= TARGET_OVERHEAD else "MISSED"
-    lines.append(f"overhead when nothing routes: end to end {100 * s['overhead']:+.2f} % of the native step (target ≤ 0.5 %: {ok}); "
-                 f"the hook's own work {1e3 * s['hook_s']:.2f} ms = {100 * s['hook_share']:.3f} % ({hook_ok}); "
+    lines.append(f"overhead when nothing routes: end to end {100 * s['overhead']:+.2f} % of the native step ({verdict['overhead']}); "
+                 f"the hook's own work {1e3 * s['hook_s']:.2f} ms = {100 * s['hook_share']:.3f} % ({verdict['hook_share']}); "
                  f"blocks' share of the native step's FLOPs at this depth: {100 * s['block_share']:.1f} %")  # fmt: skip
+    if "device_peak_gib" in s:
+        lines.append(
+            f"peak device memory {s['device_peak_gib']:.1f} GiB{' (gradient checkpointing)' if s['gradient_checkpointing'] else ''}"
+        )
     return "\n".join(lines)
 
 
@@ -421,7 +471,7 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_s
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::convolution_backward", "aten::mkldnn_convolution"}  # fmt: skip
 
 
-def main() -> None:
+def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archs", default=",".join(ARCHS))
     parser.add_argument("--device", default="cpu")
@@ -432,8 +482,9 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1, help="untimed rounds (each runs every arm once)")
     parser.add_argument("--reps", type=int, default=3, help="timed rounds")
     parser.add_argument(
-        "--gradient_checkpointing", action="store_true", help="the trainers' --gradient_checkpointing (the FLOP model counts it)"
-    )
+        "--gradient_checkpointing", nargs="?", const=",".join(ARCHS), default="", metavar="ARCHS",
+        help="the trainers' --gradient_checkpointing (the FLOP model counts it): for every architecture, or for those listed",
+    )  # fmt: skip
     parser.add_argument("--threads", type=int, help="torch intra-op threads (default: torch's)")
     parser.add_argument(
         "--clock", default="wall", choices=("wall", "cpu"),
@@ -441,6 +492,10 @@ def main() -> None:
         "their load then barely moves the figures)",
     )  # fmt: skip
     parser.add_argument("--json", help="write the figures here (after each architecture)")
+    parser.add_argument("--min_realized", type=float, default=TARGET_REALIZED, help="target: realized/predicted saving per route, at least")
+    parser.add_argument("--max_error", type=float, default=TARGET_ERROR, help="target: |predicted - measured relative cost|, at most")
+    parser.add_argument("--max_overhead", type=float, default=TARGET_OVERHEAD, help="target: the cost of routing nothing, at most")
+    parser.add_argument("--enforce", action="store_true", help="exit 1 when a target is missed")
     parser.add_argument(
         "--profile", metavar="ARM", help="after the timed rounds, profile one step of this arm (native, r0.875, …): where the time goes"
     )
@@ -454,6 +509,10 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu measures CPU work; on an accelerator use the wall clock")
+    checkpointed = {a for a in args.gradient_checkpointing.split(",") if a}
+    if checkpointed - set(ARCHS):
+        parser.error(f"--gradient_checkpointing {args.gradient_checkpointing}: allowed architectures {', '.join(ARCHS)}")
+    bounds = Bounds(args.min_realized, args.max_error, args.max_overhead)
     clock = time.process_time if args.clock == "cpu" else time.perf_counter
     device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     px = args.px or (1024 if args.full_depth else 256)
@@ -470,9 +529,10 @@ def main() -> None:
     start = time.perf_counter()
     for arch in args.archs.split(","):
         text = PRODUCTION_TEXT[arch] if args.full_depth or device.type == "cuda" else CPU_TEXT[arch]
-        bench = Bench(
-            arch, Size(px, text, args.full_depth), device, dtype, args.rank, clock=clock, checkpointing=args.gradient_checkpointing
-        )
+        size = Size(px, text, args.full_depth)
+        bench = Bench(arch, size, device, dtype, args.rank, clock=clock, checkpointing=arch in checkpointed)
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats(device)
         t0 = time.perf_counter()
         bench.setup()
         bench.run(args.warmup, args.reps)
@@ -480,18 +540,31 @@ def main() -> None:
             print(profile(bench, args.profile), flush=True)
         s = summarize(bench)
         s["wall_s"] = time.perf_counter() - t0
+        s["gradient_checkpointing"] = bench.checkpointing
+        if device.type == "cuda":
+            s["device_peak_gib"] = torch.cuda.max_memory_allocated(device) / 2**30
+        s["targets"] = targets(s, bounds)
+        s["missed"] = [t["target"] for t in s["targets"] if not t["met"]]
         results.append(s)
         print(report(s), f"\n({s['wall_s']:.0f} s, load {os.getloadavg()[0]:.2f})\n", flush=True)
         del bench
+        gc.collect()  # this architecture's model goes before the next one is built
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
         if args.json:
             meta = {"device": str(device), "dtype": args.dtype, "full_depth": args.full_depth, "px": px, "rank": args.rank,
-                    "clock": args.clock, "threads": torch.get_num_threads(), "torch": torch.__version__}  # fmt: skip
+                    "clock": args.clock, "threads": torch.get_num_threads(), "torch": torch.__version__, "warmup": args.warmup,
+                    "reps": args.reps, "bounds": vars(bounds), "command": "python " + " ".join(sys.argv)}  # fmt: skip
+            missed = [f"{r['arch']}: {m}" for r in results for m in r["missed"]]
             with open(args.json, "w") as fh:
-                json.dump({"run": meta, "archs": results}, fh, indent=1)
+                json.dump({"run": meta, "archs": results, "missed": missed, "ok": not missed}, fh, indent=1)
     for s in results:
         print(f"{s['arch']} realized/predicted = {s['realized_over_predicted']:.3f}")
+    missed = [f"{r['arch']}: {m}" for r in results for m in r["missed"]]
+    print(f"targets missed: {'; '.join(missed) if missed else 'none'}")
     print(f"total {time.perf_counter() - start:.0f} s, load {os.getloadavg()[0]:.2f}")
+    return 1 if args.enforce and missed else 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

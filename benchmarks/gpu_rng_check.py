@@ -144,12 +144,14 @@ def main() -> int:
             for name, trap in (("never", never_trap), ("r0.75", routed_trap))
         },
     }
-    out["ok"] = bool(
-        out["unrouted_ok"]
-        and out["unrouted_generators_equal"]
-        and not any(t["violations"] for t in out["trap"].values())
-        and all(t["restores_checked"] for t in out["trap"].values())  # the trap saw the hook's forks: it was in the step
-    )
+    checks = {
+        f"unrouted run equals native ({out['compared']})": out["unrouted_ok"],
+        "unrouted generators' states equal native's": out["unrouted_generators_equal"],
+        "no trap violation": not any(t["violations"] for t in out["trap"].values()),
+        "the trap saw the hook's forks": all(t["restores_checked"] for t in out["trap"].values()),  # it was in the step
+    }
+    out["missed"] = [name for name, met in checks.items() if not met]
+    out["ok"] = not out["missed"]
     text_out = json.dumps(out, indent=1)
     print(text_out)
     if args.json:

@@ -1,4 +1,4 @@
-"""The lab's part of the commands: ``demo``, the ``map --lab`` backend and the ``snr --lab`` corpus.
+"""The lab's part of the commands: ``demo``, ``lab pretrain``, the ``map --lab`` backend and the ``snr --lab`` corpus.
 
 Nothing here imports the lab's dependencies (diffusers, peft): they load when a command runs.
 """
@@ -15,7 +15,7 @@ from ...cli import register
 from ...fasterdit.cli import LatentSource, register_latent_source
 from ...mapping.arms import Arm
 from ...mapping.cli import MapSource, register_source
-from . import demo
+from . import base_cmd, demo
 
 
 def _add_map_arguments(group: argparse.ArgumentParser) -> None:
@@ -76,6 +76,7 @@ def _add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 register("demo", "train a LoRA on the built-in tiny DiT natively and with the plugin; print the comparison", demo.add_arguments, demo.run)
+register("lab", "the built-in lab: pretrain (rerun a shipped base bit for bit, or --check it)", base_cmd.add_arguments, base_cmd.run)
 register_source(
     MapSource(
         flag="lab",

@@ -56,14 +56,16 @@ def run(args: argparse.Namespace) -> int:
         revision=revision,
         command=f"python -m downscale_plugin lab pretrain --base {base.name}",
     )
+    try:
+        shipped = shipped_record(base)  # read before writing: --out may be the shipped folder
+    except FileNotFoundError:
+        shipped = None
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{base.name}.safetensors").write_bytes(blob)
     (out / f"{base.name}.json").write_text(json.dumps(record, indent=1) + "\n", encoding="utf-8")
     print(f"wrote {out / base.name}.safetensors ({len(blob)} bytes, sha256 {record['sha256']}) and its record, {record['wall_s']} s")
-    try:
-        shipped = shipped_record(base)
-    except FileNotFoundError:
+    if shipped is None:
         print("no shipped base to compare with")
         return 0
     if shipped["sha256"] == record["sha256"]:

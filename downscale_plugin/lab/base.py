@@ -6,12 +6,19 @@ tokens); a base in :data:`BASES` sees every size in ``BaseSettings.sizes``: the 
 token-count map measures up to 384 px (192, 256, 384 px = 576, 1024, 2304 tokens) and every grid a
 route of them trains at (ratios 0.875, 0.75, 0.5 on the flux grid: 96 … 336 px), square, 4 px per
 latent cell. 512 px (4096 tokens; its routes 448, 384, 256 px) is left out: a step there (batch 1)
-costs ~5x the mean of the others, more than a shared 2-core CPU affords in the run's time budget.
+costs ~5x the mean of the others, so with it a run and its bit-for-bit rerun did not fit the time
+this base was built in on a shared 2-core CPU (the ~10 min run below would take ~25 min).
 
 - Data: the lab corpus (``lab/data.py``), each source resized per size to a short side of
   ``size · scale`` (so a small size sees the whole picture at low resolution, as a downscaled image
   does, not a close-up crop of a large one), through the default corpus' codec (the same latent space
   as the single-size base). The sources named in ``held_out`` are never trained on.
+- Captions: each source its own class (as in the corpus), and a ``caption_dropout`` fraction of the
+  training crops gets the null class :data:`NULL_CLASS` instead, as production bases train for
+  classifier-free guidance. The held-out images are scored under the null caption: their own classes
+  are new to the model, and a first run that scored them under those unseen captions saw the held-out
+  loss rise while the training loss fell (1.24 at step 100, 1.42 at 200; the model learns its
+  per-image captions, which says nothing about how it denoises an unseen image).
 - Sizes: every block of ``len(sizes)`` steps visits each size once, in a seeded order, so each size
   gets the same number of steps: each is a grid the map trains at, equally, and weighting by cost
   would starve the largest. Batch: ``max_batch`` crops, fewer (at least 1) where that would exceed
@@ -49,6 +56,8 @@ from .trainer import native_validation_losses
 
 WEIGHTS_DIR = Path(__file__).parent / "weights"
 SIZE_STREAM = 0x512E5  # the size order's RNG stream
+CAPTION_STREAM = 0xCA9  # the caption dropout's RNG stream
+NULL_CLASS = -1  # the null caption's class id (LabTextEncoder gives it a fixed context like any class)
 HELD_OUT_STREAM = 0x4E1D  # the held-out crops' RNG stream
 
 
@@ -59,6 +68,7 @@ class BaseSettings:
     sizes: tuple[int, ...] = (96, 128, 144, 168, 192, 224, 256, 288, 336, 384)  # square sides, px
     scales: tuple[float, ...] = (1.0, 1.5)
     held_out: tuple[str, ...] = ("chelsea", "gravel", "pink_noise_1")
+    caption_dropout: float = 0.1
     packaged: bool = True
     generated: int = 4
     max_batch: int = 4
@@ -77,6 +87,8 @@ class BaseSettings:
     def __post_init__(self) -> None:
         if not self.sizes or any(s <= 0 or s % 8 for s in self.sizes):
             raise ValueError(f"sizes: {self.sizes} must be positive multiples of 8 px (even latent sides, for 2x2 packing)")
+        if not 0.0 <= self.caption_dropout < 1.0:
+            raise ValueError(f"caption_dropout: {self.caption_dropout} must be in [0, 1)")
         if self.eval_every < 1 or self.max_steps < 1 or self.patience < 1 or self.threads < 1:
             raise ValueError("eval_every, max_steps, patience and threads must be >= 1")
 
@@ -141,18 +153,31 @@ class MultiSizeData:
         return sizes[int(order[pos])]
 
     def batch(self, step: int) -> dict:
-        """Training batch ``step``: a pure function of (seed, step)."""
-        size = self.size_at(step)
-        rng = np.random.default_rng([self.settings.seed, step])
-        return self.train[size].crops(rng, (size, size), self.settings.batch_size(size))
+        """Training batch ``step``, a ``caption_dropout`` share of its crops captioned with the null
+        class: a pure function of (seed, step)."""
+        s, size = self.settings, self.size_at(step)
+        batch = self.train[size].crops(np.random.default_rng([s.seed, step]), (size, size), s.batch_size(size))
+        dropped = np.random.default_rng([s.seed, CAPTION_STREAM, step]).random(len(batch["captions"])) < s.caption_dropout
+        return _captioned(batch, torch.from_numpy(dropped))
 
     def held_out_set(self) -> list[dict]:
-        """One batch of ``held_out_per_size`` held-out crops per size, in ``sizes`` order (fixed draw)."""
+        """One batch of ``held_out_per_size`` held-out crops per size, in ``sizes`` order (fixed draw),
+        every crop under the null caption."""
         s = self.settings
         return [
-            self.held_out[size].crops(np.random.default_rng([s.seed, HELD_OUT_STREAM, i]), (size, size), s.held_out_per_size)
+            _captioned(
+                self.held_out[size].crops(np.random.default_rng([s.seed, HELD_OUT_STREAM, i]), (size, size), s.held_out_per_size),
+                torch.ones(s.held_out_per_size, dtype=torch.bool),
+            )
             for i, size in enumerate(s.sizes)
         ]
+
+
+def _captioned(batch: dict, null: torch.Tensor) -> dict:
+    """``batch`` with the crops where ``null`` is set captioned with the null class."""
+    class_ids = torch.where(null, torch.full_like(batch["class_ids"], NULL_CLASS), batch["class_ids"])
+    captions = ["" if n else c for n, c in zip(null.tolist(), batch["captions"], strict=True)]
+    return {**batch, "class_ids": class_ids, "captions": captions}
 
 
 def should_stop(curve: list[float], patience: int, min_improvement: float) -> bool:

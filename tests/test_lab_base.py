@@ -129,3 +129,18 @@ def test_lab_pretrain_command_writes_and_compares(tmp_path, monkeypatch, capsys)
         assert main(["lab", "pretrain", "--base", "tiny", "--out", str(tmp_path / "other")]) == 1
     assert "differs from the shipped base" in capsys.readouterr().out
     assert main(["lab", "pretrain", "--base", "nope"]) == 2
+
+
+def test_the_lab_map_measures_on_a_shipped_base_when_asked() -> None:
+    from downscale_plugin.hosts.lab.map_backend import LabBackend, LabMapConfig, lab_problems
+
+    assert lab_problems(LabMapConfig(base="nope"), ()) == ["lab_base: 'nope' is not a shipped lab base (allowed: multires)"]
+    assert lab_problems(LabMapConfig(base="multires", quick=True), ())[0].startswith("lab_base: a shipped base has its own model")
+    backend = LabBackend(LabMapConfig(base="multires", native_hw=(16, 16), warm_steps=0), images=1, progress=False)
+    shipped = load_base("multires")
+    measured = {k.replace(".base_layer", ""): v for k, v in backend.model.state_dict().items() if "lora_" not in k}  # peft wraps layers
+    assert measured.keys() == shipped.state_dict().keys()
+    assert all(torch.equal(v, measured[k]) for k, v in shipped.state_dict().items())
+    record = json.loads(BASES["multires"].record_path.read_text(encoding="utf-8"))
+    assert backend.identity == f"lab:base:multires:{record['sha256'][:16]}"
+    assert "shipped multi-size base 'multires'" in backend.describe()["model"]

@@ -57,6 +57,8 @@ setup(
     license="Apache-2.0",
     python_requires=">=3.10",
     packages=find_packages(include=["downscale_plugin", "downscale_plugin.*"]),
+    # The shipped lab base (lab/base.py): its weights and their digest and training record.
+    package_data={"downscale_plugin.lab": ["weights/*.safetensors", "weights/*.json"]},
     py_modules=["downscale_plugin_startup"],
     cmdclass={"build": build_with_pth, "build_pth": build_pth},
     # torch and toml are in every sd-scripts environment; users bring their own torch build.

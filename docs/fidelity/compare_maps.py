@@ -5,6 +5,11 @@ difference of debiased excess, NEW − OLD (negative: NEW is closer to native). 
 must agree (same probes and noise), which the script checks to 1e-5.
 
     python docs/fidelity/compare_maps.py docs/fidelity/lab_n64_d8_n16_pool/map.json docs/fidelity/lab_n64_d8_n16/map.json
+
+Maps on different base models are not paired (their native floors differ); ``--side_by_side`` prints
+each map's debiased excess per arm and bin next to the other's, as a markdown table, and their windows.
+
+    python docs/fidelity/compare_maps.py --side_by_side docs/fidelity/lab_n64_d8_n16/map.json docs/fidelity/lab_n64_d8_n16_multires/map.json
 """
 
 from __future__ import annotations
@@ -39,5 +44,26 @@ def main(old_path: str, new_path: str) -> None:
             print(f"  {label:16s} {mean:+.3f} ± {se:.3f} [{lo:+.3f}, {hi:+.3f}]  n={n}")
 
 
+def side_by_side(old_path: str, new_path: str) -> None:
+    old_blob, new_blob = json.load(open(old_path)), json.load(open(new_path))
+    if old_blob["bins"] != new_blob["bins"] or old_blob["settings"] != new_blob["settings"]:
+        sys.exit("the maps have different bins or settings: not comparable side by side")
+    edges = new_blob["bins"]["edges"]
+    rows = {(r["arm"], r["bin"]): r for r in old_blob["rows"]}, {(r["arm"], r["bin"]): r for r in new_blob["rows"]}
+    cell = lambda r: f"{r['excess']:+.3f} ± {r['se']:.3f} (ub {r['ub']:.3f}{', safe' if r['safe'] else ''})"  # noqa: E731
+    print("| arm | σ bin | OLD excess ± SE (ub) | NEW excess ± SE (ub) |\n|---|---|---|---|")
+    for arm, b in sorted(rows[0].keys() & rows[1].keys()):
+        label = f"({edges[b]:.3g}, {edges[b + 1]:.3g}]" if b < len(edges) - 1 else "σ = 1"
+        print(f"| {arm} | {label} | {cell(rows[0][arm, b])} | {cell(rows[1][arm, b])} |")
+    for name, blob in (("OLD", old_blob), ("NEW", new_blob)):
+        windows = ", ".join(
+            f"{w['arm']} [{w['sigma_min']:g}, {w['sigma_max'] if w['sigma_max'] is not None else 'open'}]" for w in blob["windows"]
+        )
+        print(f"{name} windows: {windows or 'none'}")
+
+
 if __name__ == "__main__":
-    main(*sys.argv[1:3])
+    if sys.argv[1] == "--side_by_side":
+        side_by_side(*sys.argv[2:4])
+    else:
+        main(*sys.argv[1:3])

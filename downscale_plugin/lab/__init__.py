@@ -4,7 +4,8 @@ the benchmarks and the map tool. Submodules are imported on use (they pull in di
 
 - ``model``: ``LabModelConfig``, ``build_model``, ``LabDiT``, ``LabTextEncoder``, ``flop_shape``
 - ``data``: ``LabDataConfig``, ``LabData``
-- ``pretrain``: ``load_or_pretrain``
+- ``pretrain``: ``load_or_pretrain`` (the single-size base, pretrained once and cached)
+- ``base``: ``load_base`` (the shipped multi-size base, ``weights/``), ``pretrain_base``
 - ``flux_train_utils`` / ``flux_utils``: the host's σ sampler and packing helpers, same contracts
 - ``trainer``: ``LabTrainer``, ``train_lora``, ``native_validation_loss``, ``delta_cosine``
 """

@@ -255,19 +255,30 @@ class BucketedData:
         ]
 
 
+def corpus_sources(cfg: LabDataConfig, generated_size: int) -> list[tuple[str, np.ndarray]]:
+    """The corpus' (name, float RGB image) pairs: the packaged images (when ``cfg.packaged``), then
+    ``cfg.generated`` generated ones of ``generated_size`` px, alternating dead leaves and pink noise."""
+    sources = _packaged_images() if cfg.packaged else []
+    for i in range(cfg.generated):
+        maker = dead_leaves if i % 2 == 0 else pink_noise
+        sources.append((f"{maker.__name__}_{i // 2}", maker(generated_size, seed=1000 + i)))
+    return sources
+
+
+def pyramid(img: np.ndarray, side: int, scales: tuple[float, ...]) -> list[torch.Tensor]:
+    """``img`` at each scale, its short side ``ceil(side · scale)`` px, as uint8 [3, H, W]."""
+    return [to_uint8_chw(_resize_short_side(img, int(np.ceil(side * s)))) for s in scales]
+
+
 class LabData(BucketedData):
     """The pretraining corpus. Its validation set is a separate draw of crops of the same images
     (held-out crops, not held-out images: the corpus is what the base model was trained on)."""
 
     def __init__(self, cfg: LabDataConfig | None = None) -> None:
         self.cfg = cfg = cfg or LabDataConfig()
-        sources = _packaged_images() if cfg.packaged else []
         side = max(max(b) for b in cfg.buckets)
-        gen_size = int(side * max(cfg.scales))
-        for i in range(cfg.generated):
-            maker = dead_leaves if i % 2 == 0 else pink_noise
-            sources.append((f"{maker.__name__}_{i // 2}", maker(gen_size, seed=1000 + i)))
-        images = [[to_uint8_chw(_resize_short_side(img, int(np.ceil(side * s)))) for s in cfg.scales] for _, img in sources]
+        sources = corpus_sources(cfg, int(side * max(cfg.scales)))
+        images = [pyramid(img, side, cfg.scales) for _, img in sources]
         self.codec = LatentCodec(cfg.latent_channels, cfg.projection_seed)
         self.codec.fit([per_scale[0] for per_scale in images])
         names = [name for name, _ in sources]

@@ -77,7 +77,7 @@ class LabDiT(nn.Module):
     """Wraps the diffusers transformer with sd-scripts' Flux call signature.
 
     ``pretrain_losses`` holds the pretraining loss curve when the weights came from
-    :func:`downscale_plugin.lab.pretrain.load_or_pretrain`.
+    :func:`downscale_plugin.lab.pretrain.load_or_pretrain` or :func:`downscale_plugin.lab.base.load_base`.
     """
 
     def __init__(self, cfg: LabModelConfig) -> None:

@@ -18,6 +18,7 @@ import json
 import math
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import diffusers
@@ -70,37 +71,49 @@ def cache_key(cfg: LabModelConfig, settings: PretrainSettings, data: LabData) ->
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+def lr_factor(step: int, warmup: int, steps: int) -> float:
+    """Linear warmup over ``warmup`` steps, then a cosine from 1 to 0.1 at ``steps``."""
+    if step < warmup:
+        return (step + 1) / warmup
+    progress = (step - warmup) / max(1, steps - warmup)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress))
+
+
+def full_model_step(model: LabDiT, lr: float, warmup: int, steps: int, seed: int) -> Callable[[dict], float]:
+    """One AdamW step of the whole model per call (lr schedule :func:`lr_factor`, grad-norm clip 1),
+    through the lab trainer's own ``process_batch`` with the host's ``sigmoid`` σ sampler; returns the
+    loss. Noise and σ come from the global RNG, so callers seed it (forked) once before the first step."""
+    args = lab_args(timestep_sampling="sigmoid", sigmoid_scale=1.0, model_prediction_type="raw", seed=seed)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_factor(step, warmup, steps))
+    trainer, accelerator = LabTrainer(), LabAccelerator()
+    noise_scheduler = make_noise_scheduler(args)
+    text_encoder = LabTextEncoder(model.cfg)
+
+    def step(batch: dict) -> float:
+        loss = trainer.process_batch(batch, text_encoder, model, None, noise_scheduler, torch.float32, accelerator, args)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        optimizer.step()
+        lr_scheduler.step()
+        optimizer.zero_grad(set_to_none=True)
+        return loss.item()
+
+    return step
+
+
 def pretrain(cfg: LabModelConfig, settings: PretrainSettings, data: LabData, progress: bool = True) -> LabDiT:
     """Train the whole DiT from a seeded init; returns it frozen, with ``pretrain_losses`` filled."""
     if data.cfg.latent_channels != cfg.latent_channels:
         raise ValueError("data and model disagree on latent_channels")
     model = build_model(cfg, settings.seed).train()
-    args = lab_args(timestep_sampling="sigmoid", sigmoid_scale=1.0, model_prediction_type="raw", seed=settings.seed)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=settings.lr, weight_decay=0.01)
-
-    def lr_lambda(step: int) -> float:
-        if step < settings.warmup:
-            return (step + 1) / settings.warmup
-        progress_ = (step - settings.warmup) / max(1, settings.steps - settings.warmup)
-        return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * progress_))
-
-    lr_scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda)
-    trainer, accelerator = LabTrainer(), LabAccelerator()
-    noise_scheduler = make_noise_scheduler(args)
-    text_encoder = LabTextEncoder(cfg)
+    step_fn = full_model_step(model, settings.lr, settings.warmup, settings.steps, settings.seed)
     losses: list[float] = []
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(settings.seed)
         bar = tqdm(range(settings.steps), desc="lab pretrain", disable=not progress)
         for step in bar:
-            batch = data.batch(step, settings.batch_size, settings.seed)
-            loss = trainer.process_batch(batch, text_encoder, model, None, noise_scheduler, torch.float32, accelerator, args)
-            loss.backward()
-            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-            optimizer.step()
-            lr_scheduler.step()
-            optimizer.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses.append(step_fn(data.batch(step, settings.batch_size, settings.seed)))
             bar.set_postfix(loss=f"{sum(losses[-10:]) / len(losses[-10:]):.4f}")
     model.eval().requires_grad_(False)
     model.pretrain_losses = losses

@@ -1,4 +1,4 @@
-"""The lab's part of the commands: ``demo``, the ``map --lab`` backend and the ``snr --lab`` corpus.
+"""The lab's part of the commands: ``demo``, ``lab pretrain``, the ``map --lab`` backend and the ``snr --lab`` corpus.
 
 Nothing here imports the lab's dependencies (diffusers, peft): they load when a command runs.
 """
@@ -15,11 +15,16 @@ from ...cli import register
 from ...fasterdit.cli import LatentSource, register_latent_source
 from ...mapping.arms import Arm
 from ...mapping.cli import MapSource, register_source
-from . import demo
+from . import base_cmd, demo
 
 
 def _add_map_arguments(group: argparse.ArgumentParser) -> None:
     group.add_argument("--quick", action="store_true", help="use the quick (seconds) lab pretrain instead of the default (minutes, cached)")
+    group.add_argument(
+        "--lab_base",
+        default=None,
+        help="measure on a shipped lab base (lab/base.py: multires, pretrained over 96-384 px) instead of the single-size pretrain",
+    )
     group.add_argument("--native_size", default="64x64", help="probe latent HxW in lab cells, 4 px each (default 64x64: 1024 tokens)")
     group.add_argument("--rank", type=int, default=4, help="LoRA rank (default 4)")
     group.add_argument("--warm_steps", type=int, default=30, help="native warm-up steps of the adapter (default 30; 0: peft init, B = 0)")
@@ -44,6 +49,7 @@ def _prepare_map(args: argparse.Namespace, arms: Sequence[Arm]) -> tuple[list[st
     try:
         cfg = LabMapConfig(
             quick=args.quick,
+            base=args.lab_base,
             native_hw=_native_size(args.native_size),
             rank=args.rank,
             warm_steps=args.warm_steps,
@@ -54,6 +60,7 @@ def _prepare_map(args: argparse.Namespace, arms: Sequence[Arm]) -> tuple[list[st
         return [str(err)], None, {}, []
     words = [
         *(["--quick"] if args.quick else []),
+        *([f"--lab_base {args.lab_base}"] if args.lab_base else []),
         f"--native_size {args.native_size}",
         f"--rank {args.rank}",
         f"--warm_steps {args.warm_steps}",
@@ -76,12 +83,13 @@ def _add_corpus_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 register("demo", "train a LoRA on the built-in tiny DiT natively and with the plugin; print the comparison", demo.add_arguments, demo.run)
+register("lab", "the built-in lab: pretrain (rerun a shipped base bit for bit, or --check it)", base_cmd.add_arguments, base_cmd.run)
 register_source(
     MapSource(
         flag="lab",
         help="measure on the built-in lab DiT",
         add_arguments=_add_map_arguments,
-        options=("quick", "native_size", "rank", "warm_steps", "task"),
+        options=("quick", "lab_base", "native_size", "rank", "warm_steps", "task"),
         prepare=_prepare_map,
     )
 )

@@ -60,10 +60,12 @@ PROBE_STREAM = 0x9B0BE  # probe crops come from their own data stream, never the
 
 @dataclass(frozen=True)
 class LabMapConfig:
-    """What the lab map runs on. ``pretrained=False`` skips pretraining (tests only)."""
+    """What the lab map runs on. ``pretrained=False`` skips pretraining (tests only); ``base`` names a
+    shipped base (``lab/base.py``: loaded, never trained) instead of the single-size pretrain."""
 
-    model: Any = None  # LabModelConfig; None = the lab default
+    model: Any = None  # LabModelConfig; None = the lab default (a shipped base: its own)
     quick: bool = False
+    base: str | None = None
     pretrained: bool = True
     native_hw: tuple[int, int] = (64, 64)
     rank: int = 4
@@ -124,6 +126,13 @@ def lab_problems(cfg: LabMapConfig, arms: list[Arm] | tuple[Arm, ...]) -> list[s
     if h < arch.multiple or w < arch.multiple or h % arch.multiple or w % arch.multiple:
         return [f"native size: {h}x{w} latent cells must be positive multiples of {arch.multiple} ({arch.name})"]
     problems = [] if cfg.task in TASKS else [f"task: {cfg.task!r} is not a lab task (allowed: {', '.join(TASKS)})"]
+    if cfg.base is not None:
+        from ...lab.base import BASES
+
+        if cfg.base not in BASES:
+            problems.append(f"lab_base: {cfg.base!r} is not a shipped lab base (allowed: {', '.join(BASES)})")
+        if cfg.quick or cfg.model is not None or not cfg.pretrained:
+            problems.append("lab_base: a shipped base has its own model and weights; not with quick, model or pretrained=False")
     for arm in arms:
         if arm.kind in SMALL_KINDS and target_grid(cfg.native_hw, arm.ratio, arch) is None:
             problems.append(
@@ -143,6 +152,7 @@ class LabBackend:
 
     def __init__(self, cfg: LabMapConfig, images: int, progress: bool = True) -> None:
         from ...lab import flux_train_utils, flux_utils
+        from ...lab.base import get_base, load_base, shipped_record
         from ...lab.concept import task_data
         from ...lab.data import LabData, LabDataConfig
         from ...lab.model import LabModelConfig, LabTextEncoder, build_model
@@ -155,11 +165,14 @@ class LabBackend:
         self.cfg = cfg
         self.arch = get_arch(cfg.arch)
         self.flux_utils = flux_utils  # the module whose ``prepare_img_ids`` the trainer calls (positions scope)
-        model_cfg = cfg.model or LabModelConfig()
+        model_cfg = get_base(cfg.base).model if cfg.base else cfg.model or LabModelConfig()
         base = cfg.data or LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
         data = task_data(cfg.task, base)
         self.probes = select_probes(data, images, cfg.native_hw, cfg.seed)
-        if cfg.pretrained:
+        if cfg.base:
+            self.model = load_base(cfg.base)
+            self.identity = f"lab:base:{cfg.base}:{shipped_record(get_base(cfg.base))['sha256'][:16]}"  # the shipped weights' digest
+        elif cfg.pretrained:
             self.model = load_or_pretrain(model_cfg, quick=cfg.quick, progress=progress, data=base)
             self.identity = f"lab:{cache_key(model_cfg, QUICK if cfg.quick else DEFAULT, base)}"  # the cached weights' key
         else:
@@ -204,6 +217,8 @@ class LabBackend:
     def describe(self) -> dict[str, Any]:
         m = self.model_cfg
         pre = "random init (not pretrained)" if not self.cfg.pretrained else ("quick pretrain" if self.cfg.quick else "default pretrain")
+        if self.cfg.base:
+            pre = f"shipped multi-size base {self.cfg.base!r} (lab/base.py)"
         warm = f"warm-trained {self.cfg.warm_steps} native steps (batch {self.cfg.warm_batch}, lr {self.cfg.warm_lr:g})"
         if self.warm_losses:
             warm += f", loss {self.warm_losses[0]:.4f} -> {np.mean(self.warm_losses[-5:]):.4f}"

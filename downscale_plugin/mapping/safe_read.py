@@ -30,10 +30,10 @@ test read before its chains' predecessors settle simply gets the smaller level i
 The split (:data:`SEARCH_SHARE`): 0.9 of a route's α to the chain in the search's order, 0.1 to the chain
 from its lowest bin up. Why not half each: the σ mass is at the top under every shifted flow sampler (Flux's
 ``flux_shift`` at 1 024 px draws σ < 0.1 on 0.04 % of steps), so a low window routes little, and on the
-stored lab maps (docs/fidelity/both_ends/) the lowest bins read 0.4-0.8 even at level α/4 while an even split
-costs an existing top window (route 0.875's (0.767, 0.9] on the corpus maps: FLOPs saved per step 13.0 % →
-4.5 %); at 0.9 every stored window stays. The low chain's head then has α/R·0.1·0.8 (0.002 with two routes):
-a low bin certifies only on strong evidence. The top chain's head falls from α/R·0.8 to 0.9 of that.
+stored lab maps (docs/fidelity/both_ends/) the lowest bins read 0.5-1.0 even at an even split's level while
+it costs top windows (``lab_n32_d8_n16``'s 0.75 on (0.95, 1)). The low chain's head then has α/R·0.1·0.8
+(0.002 with two routes): a low bin certifies only on strong evidence. The top chain's head falls from
+α/R·0.8 to 0.9 of that.
 """
 
 from __future__ import annotations

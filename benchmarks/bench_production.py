@@ -471,6 +471,16 @@ MATMUL_OPS = {"aten::mm", "aten::addmm", "aten::bmm", "aten::baddbmm", "aten::_s
               "aten::_scaled_dot_product_flash_attention_for_cpu_backward", "aten::convolution_backward", "aten::mkldnn_convolution"}  # fmt: skip
 
 
+def use_sd_scripts(parser: argparse.ArgumentParser, threads: int | None) -> None:
+    """Every sd-scripts bench's start: the checkout at SD_SCRIPTS_DIR importable, and the thread count if given."""
+    sd_scripts = os.environ.get("SD_SCRIPTS_DIR")
+    if not sd_scripts:
+        parser.error("set SD_SCRIPTS_DIR to an sd-scripts checkout (main 48d368fa)")
+    sys.path.insert(0, sd_scripts)
+    if threads:
+        torch.set_num_threads(threads)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--archs", default=",".join(ARCHS))
@@ -500,13 +510,8 @@ def main() -> int:
         "--profile", metavar="ARM", help="after the timed rounds, profile one step of this arm (native, r0.875, …): where the time goes"
     )
     args = parser.parse_args()
-    sd_scripts = os.environ.get("SD_SCRIPTS_DIR")
-    if not sd_scripts:
-        parser.error("set SD_SCRIPTS_DIR to an sd-scripts checkout (main 48d368fa)")
-    sys.path.insert(0, sd_scripts)
+    use_sd_scripts(parser, args.threads)
     logging.getLogger("downscale_plugin").setLevel(logging.WARNING)  # the per-run resume notes; the banners still print
-    if args.threads:
-        torch.set_num_threads(args.threads)
     if args.clock == "cpu" and args.device != "cpu":
         parser.error("--clock cpu measures CPU work; on an accelerator use the wall clock")
     checkpointed = {a for a in args.gradient_checkpointing.split(",") if a}

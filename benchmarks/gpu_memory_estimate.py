@@ -171,17 +171,13 @@ def main() -> int:
     parser.add_argument("--json", help="write the estimate here")
     parser.add_argument("--one", help=argparse.SUPPRESS)  # ARCH,PX: one measurement in this process
     args = parser.parse_args()
-    sd_scripts = os.environ.get("SD_SCRIPTS_DIR")
-    if not sd_scripts:
-        parser.error("set SD_SCRIPTS_DIR to an sd-scripts checkout (main 48d368fa)")
-    sys.path.insert(0, sd_scripts)
-    if args.threads:
-        torch.set_num_threads(args.threads)
+    import bench_production as bp
+
+    bp.use_sd_scripts(parser, args.threads)
     if args.one:
         arch, px = args.one.split(",")
         print(json.dumps(measure(arch, int(px), args.rank)), flush=True)
         return 0
-    import bench_production as bp
 
     rows = []
     start = time.perf_counter()

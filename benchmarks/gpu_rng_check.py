@@ -103,14 +103,10 @@ def main() -> int:
     parser.add_argument("--threads", type=int)
     parser.add_argument("--json", help="write the result here")
     args = parser.parse_args()
-    sd_scripts = os.environ.get("SD_SCRIPTS_DIR")
-    if not sd_scripts:
-        parser.error("set SD_SCRIPTS_DIR to an sd-scripts checkout (main 48d368fa)")
-    sys.path.insert(0, sd_scripts)
-    if args.threads:
-        torch.set_num_threads(args.threads)
-    torch.use_deterministic_algorithms(True, warn_only=True)
     import bench_production as bp
+
+    bp.use_sd_scripts(parser, args.threads)
+    torch.use_deterministic_algorithms(True, warn_only=True)
     from rng_trap import RngTrap
 
     device, dtype = torch.device(args.device), {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]

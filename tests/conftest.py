@@ -54,3 +54,14 @@ def token_costs(monkeypatch):
     from downscale_plugin.mapping.certify import token_fraction
 
     monkeypatch.setattr(AutoSession, "pass_fraction", lambda self, small, native: token_fraction(small, native))
+
+
+@pytest.fixture
+def range_clipped_read(monkeypatch):
+    """The safe read calibrated with its laws clipped at the estimator's range (``safe_read.SHAPE_MARGIN`` above every
+    margin), the calibration before the shape was held: on a random double, whose per-image excess is 0.2-0.7 with
+    an SD up to 0.5, ε = 0.99 then certifies, so a test of certify-then-train or of the windows cache gets windows
+    to train with, cache and reuse. A test that measures the read itself never takes this fixture."""
+    from downscale_plugin.mapping import safe_read
+
+    monkeypatch.setattr(safe_read, "SHAPE_MARGIN", 1.0)

@@ -314,9 +314,13 @@ def setup_flux(work: Path, images: Path, *, ranks: bool = False, write: bool = T
     flux_utils.load_clip_l = lambda *a, **k: tiny_clip(clip_vocab, 8)
     flux_utils.load_t5xxl = lambda *a, **k: tiny_t5(t5_vocab, 8)
     flux_utils.load_ae = lambda *a, **k: flux_models.AutoEncoder(ae_params).eval()
-    extra = f"""clip_l = "unused"
-t5xxl = "unused"
-ae = "unused"
+    encoders = {name: work / f"{name}.bin" for name in ("clip_l", "t5xxl", "ae")}  # the loaders above are stubbed; the
+    for name, path in encoders.items():  # windows cache keys the files (their sha256), so they are real, fixed bytes
+        if write:
+            path.write_bytes(name.encode() * 64)
+    extra = f"""clip_l = "{encoders["clip_l"]}"
+t5xxl = "{encoders["t5xxl"]}"
+ae = "{encoders["ae"]}"
 tokenizer_cache_dir = "{cache}"
 t5xxl_max_token_length = 8
 guidance_scale = 1.0

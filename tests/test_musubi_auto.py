@@ -97,6 +97,7 @@ def test_a_certification_that_opens_nothing_leaves_training_bitwise_the_hosts(na
 
 
 @pytest.mark.parametrize("arch", ["wan", "qwen_image"])
+@pytest.mark.usefixtures("range_clipped_read")
 def test_auto_certifies_then_trains_with_the_windows_and_records_them(arch, tmp_path, caplog):
     name, argv = ARCHS[arch]
     argv = [*(WAN if arch == "wan" else argv), *ARGV]

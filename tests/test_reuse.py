@@ -204,6 +204,7 @@ def model(tmp_path):
     return path
 
 
+@pytest.mark.usefixtures("range_clipped_read")
 def test_a_second_auto_run_with_the_same_key_reuses_the_windows_at_zero_cost(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
     calls = steps("flux")  # spied from the first run on: a changed host function is another key (host_revision)
     first = _run(tmp_path / "a", model, network_dim=4)
@@ -270,6 +271,7 @@ def test_musubi_wan22_keys_both_experts_and_reuses_at_zero_cost(tmp_path, window
     assert len(third.last_transformer.calls) > 80
 
 
+@pytest.mark.usefixtures("range_clipped_read")
 def test_a_resumed_run_routes_by_its_states_windows_not_the_cache(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
     """``--resume`` of a state saved after the certification: the state's windows route it (and say so), as without a cache."""
     calls = steps("flux")  # spied from the first run on: a changed host function is another key (host_revision)
@@ -298,6 +300,7 @@ def test_keying_and_caching_leave_a_run_that_opens_nothing_bitwise_the_hosts(tmp
     assert all(torch.equal(v, theirs[k]) for k, v in run.network.state_dict().items())
 
 
+@pytest.mark.usefixtures("range_clipped_read")
 def test_an_unwritable_cache_costs_the_reuse_not_the_run(tmp_path, model, caplog):
     blocker = tmp_path / "not_a_folder"
     blocker.write_text("")
@@ -441,6 +444,7 @@ def test_a_stale_key_recertifies_naming_the_field(tmp_path, model, windows_cache
         assert field in caplog.text, name
 
 
+@pytest.mark.usefixtures("range_clipped_read")
 def test_an_edited_entry_is_refused_and_the_run_certifies_anew(tmp_path, model, windows_cache, steps, caplog):  # noqa: F811
     calls = steps("flux")
     _run(tmp_path / "a", model, network_dim=4, certify_budget=0.25)  # the budget buys one safe bin: the window (0.5, 1)

@@ -114,6 +114,7 @@ def test_checkpointing_changes_nothing_the_certifier_measures(arch, options, tmp
     assert all(torch.equal(v, theirs[k]) for k, v in checkpointed.network.state_dict().items())
 
 
+@pytest.mark.usefixtures("range_clipped_read")
 def test_auto_certifies_then_trains_with_the_windows_and_records_them(tmp_path, steps, caplog):  # noqa: F811
     calls = steps("flux")
     argv = (*ARGV, "--output_dir", str(tmp_path / "out"))

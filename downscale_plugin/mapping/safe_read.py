@@ -2,7 +2,7 @@
 
 Shared by the certifier (``sequential.py``, whose module docstring describes the read) and the full map
 (``estimator.py``): :func:`safe_quantile` is the critical value of the studentized upper bound calibrated
-on heavy-tailed laws clipped to the estimator's range ±:data:`TRIM`; :class:`Family` turns a run's planned
+on heavy-tailed laws held at one shape relative to ε (:data:`SHAPE_MARGIN`); :class:`Family` turns a run's planned
 tests and the family-wise α into per-test levels.
 
 The family: chains through one key. Each test asks "is this (route, bin) safe" (its null: the bin's excess

@@ -37,9 +37,10 @@ safe far more often than its level. Bounds valid for any law on the estimator's 
 16 probes and ε = 0.05 (one probe may carry 1.5 = 30 ε). The safe read is therefore the studentized bound
 mean + c·sd/√n with c = :func:`safe_quantile`: the (1 − level) quantile of (μ − x̄)/(s/√n) under the
 heaviest laws of the calibration suite (:data:`REFERENCE_LAWS`: lognormal s = 1.5 and a Lomax tail of
-index 1.5), each scaled to mean ε after clipping to the estimator's range. The false-safe rate is ≤ the
-level on those laws by construction and, as measured, on lighter ones (lognormal s ≤ 1.5, Pareto index
-≥ 1.5, the lab's own per-image sets). It is not distribution-free: when a few percent of images carry the
+index 1.5), each scaled to mean ε after clipping at 30 ε or the estimator's range, the farther (one shape
+relative to ε at every margin: ``safe_read.SHAPE_MARGIN``). The false-safe rate is ≤ the level on those
+laws by construction and, as measured, on lighter ones (lognormal s ≤ 1.5, Pareto index ≥ 1.5) and
+family-wise on the lab's own worst per-image set (docs/FIDELITY.md §9.5). It is not distribution-free: when a few percent of images carry the
 mean, a probe set misses them all with probability (1 − p)^n, and any rule that certifies the rest of the
 population certifies the whole that often (docs/FIDELITY.md §9.5 tests where this fails).
 

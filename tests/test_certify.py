@@ -26,6 +26,7 @@ from downscale_plugin.mapping.certify import (
 )
 from downscale_plugin.mapping.paired import NoiseNotDrawn, coupled_small_noise, downsample_covariance_sqrt, injected_noise, whitened_filter
 from downscale_plugin.mapping.sequential import FUTILE, SAFE, UNSAFE, Looks, paired_excess, read, safe_quantile, u_inner, verdict
+from downscale_plugin.provenance import code_revision
 
 # -- paired noise -------------------------------------------------------------------------------------
 
@@ -278,6 +279,7 @@ def test_a_low_sigma_window_is_certified_from_evidence_safe_only_there():
     gaps = _profile(ROUTE.name, [0.3, 0.3, 0.3, 0.005, 0.005])
     source = SyntheticDraws(gaps, 16, rho=0.9, seed=5, spread=0.005)
     result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=1), mass=_by_bin(TOP_HEAVY))
+    assert result.provenance["code_revision"] == code_revision()
     rows = {t.bin: t for t in result.rows(ROUTE)}
     assert [rows[b].verdict for b in (4, 3, 2)] == [UNSAFE] * 3 and all(rows[b].bound.n == 4 for b in (4, 3, 2))  # first look
     assert rows[1].safe and rows[0].safe and rows[0].bound.n == 16

@@ -15,6 +15,7 @@ from downscale_plugin.config import load_config
 from downscale_plugin.mapping.arms import NATIVE_A, NATIVE_B, REENC, Arm, build_arms, latent_arm, pixel_arm
 from downscale_plugin.mapping.estimator import BinResult, MapInputError, MapResult, MapSettings, collect, debiased_floor, excess, run_map
 from downscale_plugin.mapping.windows import stack_windows, windows_toml
+from downscale_plugin.provenance import code_revision
 from downscale_plugin.router import Router
 
 
@@ -118,6 +119,7 @@ def test_a_saved_map_rederives_at_another_margin_without_gradients(tmp_path):
     assert loaded.rows == result.rows
     looser = MapResult.from_json(json.loads((tmp_path / "map.json").read_text()), margin=0.5)
     assert all(r.safe for r in looser.rows) and backend.calls == calls
+    assert loaded.provenance["code_revision"] == code_revision()  # the stored map names its code
 
 
 # ---------------------------------------------------------------------------------------------- bins

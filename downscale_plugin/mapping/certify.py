@@ -62,6 +62,7 @@ import torch
 
 from ..bins import SigmaBins
 from ..certify_config import DEFAULT_MARGIN
+from ..provenance import code_revision
 from ..rng import forked, seed_forked
 from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, param_grads
@@ -737,7 +738,7 @@ def run_certify(
     t0 = time.perf_counter()
     certifier = Certifier(source, routes, bins, settings, mass, progress, prior)
     tests = certifier.run()
-    prov = {**(provenance or {}), "wall_s": round(time.perf_counter() - t0, 2)}
+    prov = {**(provenance or {}), "wall_s": round(time.perf_counter() - t0, 2), "code_revision": code_revision()}
     return CertifyResult(bins, certifier.routes, settings, tests, certifier.spent, certifier.notes, prov, certifier.plan)
 
 

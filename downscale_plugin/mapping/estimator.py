@@ -43,6 +43,7 @@ from tqdm.auto import tqdm
 
 from ..bins import SigmaBins
 from ..certify_config import DEFAULT_MARGIN
+from ..provenance import code_revision
 from ..rng import forked, seed_forked
 from .arms import NATIVE_A, NATIVE_B, PLAIN, Arm, MapBackend, plain_sibling
 from .safe_read import TRIM, Family, safe_quantile
@@ -548,5 +549,10 @@ def run_map(
     """Collect and summarize; records wall time and the backend's description in the provenance."""
     t0 = time.perf_counter()
     cells = collect(backend, arms, bins, settings, progress)
-    prov = {**(provenance or {}), "backend": backend.describe(), "wall_s": round(time.perf_counter() - t0, 2)}
+    prov = {
+        **(provenance or {}),
+        "backend": backend.describe(),
+        "wall_s": round(time.perf_counter() - t0, 2),
+        "code_revision": code_revision(),
+    }
     return MapResult(bins, tuple(arms), settings, summarize(cells, arms, bins, settings), cells, prov)

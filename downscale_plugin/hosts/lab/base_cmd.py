@@ -5,9 +5,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 from pathlib import Path
+
+from ...provenance import code_revision
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -16,17 +17,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     pretrain.add_argument("--base", default="multires", help="which base (default multires; lab/base.py BASES)")
     pretrain.add_argument("--out", default=".", help="folder for <base>.safetensors and <base>.json (default: the current folder)")
     pretrain.add_argument("--check", action="store_true", help="only verify the shipped file against its recorded sha256")
-
-
-def _revision() -> str:
-    """The code revision of this checkout (``+dirty`` with uncommitted changes), or ``unknown``."""
-    root = Path(__file__).resolve().parent
-    try:
-        head = subprocess.run(["git", "rev-parse", "HEAD"], cwd=root, capture_output=True, text=True, check=True).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True).stdout
-    except (OSError, subprocess.CalledProcessError):
-        return "unknown"
-    return head + ("+dirty" if dirty.strip() else "")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -46,7 +36,7 @@ def run(args: argparse.Namespace) -> int:
         record = shipped_record(base)
         print(f"lab base {base.name!r}: {base.weights_path} ({record['bytes']} bytes) matches its recorded sha256 {record['sha256']}")
         return 0
-    revision = _revision()
+    revision = code_revision()
     print(f"lab base {base.name!r}: pretraining at {base.settings.threads} thread(s), sizes {base.settings.sizes} px", flush=True)
     model, record = pretrain_base(base, log=lambda line: print(line, flush=True))
     blob = state_bytes(model)

@@ -33,7 +33,7 @@ trains on an exact area downsample: a box average over 4/r px, then a grid whose
   to its scale, so the period is the same 24 px in every crop. A smaller grid holds it: at 0.75 the
   period is 4.5 small cells (over twice the small grid's Nyquist period), and the exact area
   downsample (a box over 1/r cells of a piecewise-constant grid) only attenuates it: the screen keeps
-  about 80 % of its latent power at 0.75 and 0.875 (76 % at 0.5); what a route loses of this concept
+  about 80 % of its latent power at 0.75 and 0.875 (75 % at 0.5); what a route loses of this concept
   is the photographs' fine detail, not the style. Held out: ``chelsea`` and ``grace_hopper``
   (matplotlib's sample), photographs the shipped multi-size base never trained on (chelsea is in
   ``BaseSettings.held_out``; the single-size pretrain did see it); chelsea's short side is 300 px,

@@ -31,7 +31,7 @@ def measure(rounds: int, quick: bool) -> dict[str, Any]:
 
     from downscale_plugin.config import load_config
     from downscale_plugin.hosts.lab.adapter import LabPlugin
-    from downscale_plugin.lab.concept import ConceptData
+    from downscale_plugin.lab.concept import HatchData
     from downscale_plugin.lab.data import LabData, LabDataConfig
     from downscale_plugin.lab.model import LabModelConfig, LabTextEncoder
     from downscale_plugin.lab.pretrain import load_or_pretrain
@@ -43,7 +43,7 @@ def measure(rounds: int, quick: bool) -> dict[str, Any]:
     model_cfg = LabModelConfig()
     base = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
     model = copy.deepcopy(load_or_pretrain(model_cfg, quick=quick, progress=False, data=base)).train()
-    data = ConceptData(base)
+    data = HatchData(base)
     optimizer = torch.optim.AdamW(inject_lora(model, 8, 8.0, seed=0), lr=1e-3)
     args = lab_args(max_train_steps=2 * rounds)
     text_encoder, accelerator, scheduler = LabTextEncoder(model_cfg), LabAccelerator(), make_noise_scheduler(args)

@@ -9,7 +9,7 @@ import torch
 pytest.importorskip("peft", reason="the lab needs the [lab] extra (a host's own environment has not)")
 
 from downscale_plugin.grid import area_downsample
-from downscale_plugin.lab.concept import ConceptConfig, ConceptData, hatched_poster, task_data
+from downscale_plugin.lab.concept import HatchConfig, HatchData, hatched_poster, task_data
 from downscale_plugin.lab.data import LabData, LabDataConfig
 from downscale_plugin.lab.model import LabModelConfig, build_model
 from downscale_plugin.lab.trainer import native_validation_loss, native_validation_losses
@@ -25,11 +25,11 @@ def base() -> LabData:
 
 
 @pytest.fixture(scope="module")
-def concept(base: LabData) -> ConceptData:
-    return ConceptData(base, ConceptConfig(train_images=6, heldout_images=3, size=128))
+def concept(base: LabData) -> HatchData:
+    return HatchData(base, HatchConfig(train_images=6, heldout_images=3, size=128))
 
 
-def test_concept_is_new_and_validation_held_out(base: LabData, concept: ConceptData) -> None:
+def test_concept_is_new_and_validation_held_out(base: LabData, concept: HatchData) -> None:
     assert concept.codec is base.codec and concept.cfg.buckets == BUCKETS  # the pretraining codec and buckets
     train_images = {bytes(img[0].numpy()) for img in concept.train.images}
     heldout = {bytes(img[0].numpy()) for img in concept.validation_source.images}
@@ -42,9 +42,9 @@ def test_concept_is_new_and_validation_held_out(base: LabData, concept: ConceptD
         assert torch.equal(batch["latents"], concept.batch(step, 2, seed=3)["latents"])
     for val in concept.validation_set(per_bucket=2, seed=0):
         assert val["captions"][0].startswith("heldout_")
-    assert task_data("corpus", base) is base and isinstance(task_data("concept", base), ConceptData)
-    with pytest.raises(ValueError, match="allowed: concept, corpus"):
-        task_data("style", base)
+    assert task_data("corpus", base) is base and isinstance(task_data("concept", base), HatchData)
+    with pytest.raises(ValueError, match="allowed: corpus, hatch, subject, style; old name: concept = hatch"):
+        task_data("posters", base)
 
 
 def half_grid_loss(data) -> float:
@@ -63,7 +63,7 @@ def test_concept_detail_is_lost_at_half_resolution() -> None:
     """Its hatch and marks repeat every two latent cells: half the grid averages them away, far more
     of the concept than of the pretraining corpus (the lab's 16-channel codec)."""
     base = LabData(LabDataConfig(buckets=BUCKETS, latent_channels=16))
-    concept = ConceptData(base, ConceptConfig(train_images=6, heldout_images=3, size=128))
+    concept = HatchData(base, HatchConfig(train_images=6, heldout_images=3, size=128))
     concept_share, corpus_share = half_grid_loss(concept), half_grid_loss(base)
     assert concept_share > 0.5 and concept_share > corpus_share + 0.15
     poster = hatched_poster(64, seed=1)
@@ -71,7 +71,7 @@ def test_concept_detail_is_lost_at_half_resolution() -> None:
     assert (poster == hatched_poster(64, seed=1)).all() and not (poster == hatched_poster(64, seed=2)).all()
 
 
-def test_per_item_validation_losses(concept: ConceptData) -> None:
+def test_per_item_validation_losses(concept: HatchData) -> None:
     model = build_model(TINY, seed=0)
     val = concept.validation_set(per_bucket=2, seed=0)
     items = native_validation_losses(model, None, val, seed=0, sigmas=(0.2, 0.8), draws=2)

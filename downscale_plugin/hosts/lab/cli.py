@@ -31,8 +31,10 @@ def _add_map_arguments(group: argparse.ArgumentParser) -> None:
     group.add_argument(
         "--task",
         default="corpus",
-        help="what the probes and the adapter's warm-up see: corpus (the pretraining corpus, default) or concept "
-        "(the hatched posters, new to the base model: lab/concept.py)",
+        help="what the probes and the adapter's warm-up see: corpus (the pretraining corpus, default) or a concept new to "
+        "the base model (lab/concept.py): hatch (hatched posters, detail at the native grid's Nyquist period; "
+        "concept is its old name), subject (photographs of one motorcycle), style (photographs under one colour grade "
+        "and a 24 px halftone screen)",
     )
 
 

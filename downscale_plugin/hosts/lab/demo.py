@@ -89,7 +89,7 @@ class DemoResult:
 
 def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, progress: bool = True) -> DemoResult:
     from ...flops import FlopModel
-    from ...lab.concept import ConceptData
+    from ...lab.concept import HatchData
     from ...lab.data import LabData, LabDataConfig
     from ...lab.model import LabModelConfig, flop_shape
     from ...lab.pretrain import load_or_pretrain
@@ -100,7 +100,7 @@ def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, prog
     model_cfg = LabModelConfig()
     base = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
     model = load_or_pretrain(model_cfg, quick=settings.quick, progress=progress, data=base)
-    data = ConceptData(base)
+    data = HatchData(base)
     config = config or load_config(table={"routes": list(DEMO_ROUTES)} if settings.seed_recipe else DEMO_WINDOWS)
     plugin = LabPlugin.for_lab(config, model_cfg, data, settings.batch_size)
     val_set = data.validation_set(per_bucket=1, seed=settings.seed)

@@ -49,7 +49,7 @@ from ...fasterdit.policies import policy_factor, shift_sigma
 from ...fasterdit.positions import positions_scope
 from ...fasterdit.stats import Moments
 from ...grid import area_downsample, target_grid, tokens
-from ...lab.concept import TASKS
+from ...lab.concept import task_problem
 from ...lab.data import FACTOR
 from ...mapping.arms import SMALL_KINDS, Arm
 from ...rng import forked, seed_forked
@@ -74,7 +74,7 @@ class LabMapConfig:
     warm_batch: int = 2
     seed: int = 0
     arch: str = "flux"
-    task: str = "corpus"  # lab.concept.TASKS: the probes and warm-up come from the pretraining corpus or the concept
+    task: str = "corpus"  # lab.concept.TASKS: the probes and warm-up come from the pretraining corpus or a concept
     data: Any = field(default=None, compare=False)  # the pretraining LabData to reuse; None = build the default
 
 
@@ -125,7 +125,7 @@ def lab_problems(cfg: LabMapConfig, arms: list[Arm] | tuple[Arm, ...]) -> list[s
     h, w = cfg.native_hw
     if h < arch.multiple or w < arch.multiple or h % arch.multiple or w % arch.multiple:
         return [f"native size: {h}x{w} latent cells must be positive multiples of {arch.multiple} ({arch.name})"]
-    problems = [] if cfg.task in TASKS else [f"task: {cfg.task!r} is not a lab task (allowed: {', '.join(TASKS)})"]
+    problems = [p for p in [task_problem(cfg.task)] if p]
     if cfg.base is not None:
         from ...lab.base import BASES
 

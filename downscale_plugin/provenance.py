@@ -8,9 +8,8 @@ or ``package <version>`` where the package is installed without a checkout.
 from __future__ import annotations
 
 import subprocess
+from importlib import metadata
 from pathlib import Path
-
-from . import __version__
 
 
 def code_revision() -> str:
@@ -25,5 +24,13 @@ def code_revision() -> str:
             ["git", "status", "--porcelain", "--untracked-files=no"], cwd=root, capture_output=True, text=True, check=True
         ).stdout
     except (OSError, subprocess.CalledProcessError):
-        return f"package {__version__}"
+        return f"package {_version()}"
     return head + ("+dirty" if dirty.strip() else "")
+
+
+def _version() -> str:
+    """The installed distribution's version (core may not import the package entry, docs/ARCHITECTURE.md §1)."""
+    try:
+        return metadata.version("downscale-plugin")
+    except metadata.PackageNotFoundError:
+        return "unknown"

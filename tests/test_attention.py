@@ -18,8 +18,8 @@ import torch.utils.checkpoint
 
 from downscale_plugin.attention import biased_mask, log_size, routed_attention_scope
 from downscale_plugin.config import ConfigError, FasterDitConfig, load_config
-from downscale_plugin.hosts.lab import attention as lab_attention
 from downscale_plugin.hosts.lab import adapter as lab_adapter
+from downscale_plugin.hosts.lab import attention as lab_attention
 from downscale_plugin.hosts.lab.adapter import LabPlugin
 from downscale_plugin.hosts.sd_scripts.hook import StepOptions
 from downscale_plugin.lab.data import LabData, LabDataConfig

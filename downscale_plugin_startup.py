@@ -62,7 +62,11 @@ def report(argv):
         def drift(args):
             return [p for name in DRIFT_CHECKS for p in importlib.import_module(name).command_line_drift(args)]
 
-        return startup_report(argv, drift)
+        def refusals(args, cfg, host_args):
+            modules = [importlib.import_module(name) for name in DRIFT_CHECKS]
+            return [p for m in modules if hasattr(m, "command_line_refusals") for p in m.command_line_refusals(args, cfg, host_args)]
+
+        return startup_report(argv, drift, refusals)
     finally:
         # The trainer imports the network module itself, from its own sys.path; nothing stays from here.
         for name in [m for m in sys.modules if m not in before and (m == NAME or m.startswith(NAME + "."))]:

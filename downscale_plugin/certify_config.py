@@ -181,10 +181,10 @@ def mode_problems(merged: Mapping[str, Any], has_routes: bool, rejected: set[str
         problems.append(f'map_out: required when mode = "{mode}" (the directory it writes {outputs} into)')
     if has_routes:
         problems.append(f'routes: not used when mode = "{mode}": the run derives the windows itself; remove routes or set mode = "train"')
-    for key, plain in (("sigma_policy", "keep"), ("positions", "plain")):
+    for key, plain in (("sigma_policy", "keep"), ("positions", "plain"), ("attention", "plain")):
         if merged.get(key, plain) != plain:
             problems.append(
                 f'{key}: {merged[key]!r} is not allowed with mode = "{mode}" (allowed: {plain!r}): the in-run measurement covers the '
-                "router's plain routes; compare σ policies and positions with the lab map"
+                "router's plain routes; compare σ policies, positions and attention with the lab map"
             )
     return problems

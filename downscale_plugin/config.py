@@ -33,6 +33,7 @@ from .schema import ConfigError, check_fields, check_scalar, is_number, setting,
 GATES = ("coupled", "strict")
 SIGMA_POLICIES = ("keep", "res_shift", "snr_match")  # σ a routed step runs at (fasterdit.policies)
 POSITIONS = ("plain", "interpolate")  # position ids of a routed step (fasterdit.positions)
+ATTENTIONS = ("plain", "proportional")  # a routed step's joint attention (attention.py)
 MODES = ("train", "map", "auto")  # map: the full gradient map in the run; auto: certify windows in the run and train with them (mapping/)
 AFTER_MAP = ("stop", "train")
 HOST_CHECKS = ("error", "warn")  # the drift self-check's findings (hosts/kohya/selfcheck.py): refuse, or log, record and train on
@@ -118,12 +119,20 @@ class RouteRule:
 
 @dataclass(frozen=True)
 class FasterDitConfig:
-    """FasterDiT's options on routed and native steps (fasterdit/); TOML key = field name."""
+    """The options of routed (and native) steps: FasterDiT's (fasterdit/) and proportional attention
+    (attention.py); TOML key = field name."""
 
     direction_loss_weight: float = setting(0.0, "float_min", 0.0, "FasterDiT's direction-loss λ (0: off)")
     direction_loss_only_routed: bool = setting(False, "bool", help="add the direction term only on routed steps")
     sigma_policy: str = setting("keep", "enum", SIGMA_POLICIES, "σ a routed step runs at")
     positions: str = setting("plain", "enum", POSITIONS, "position ids of a routed step")
+    attention: str = setting(
+        "plain",
+        "enum",
+        ATTENTIONS,
+        "a routed step's joint attention: proportional adds ln(native/small tokens) = ln(1/r²) to the logits of image keys "
+        "(text keys 0), as if each small token stood for the native tokens it averages; plain: the host's",
+    )
 
     def __post_init__(self) -> None:
         check_fields(self)

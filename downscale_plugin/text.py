@@ -22,9 +22,9 @@ def route_rows(rules: Sequence[RouteRule]) -> list[str]:
 
 
 def fasterdit_text(settings: FasterDitConfig) -> str:
-    """FasterDiT's settings as their TOML keys and values (``direction_loss_weight 0, ..., positions plain``)."""
+    """The routed steps' settings as their TOML keys and values (``direction_loss_weight 0, ..., attention plain``)."""
     return (
         f"direction_loss_weight {settings.direction_loss_weight:g}, "
         f"direction_loss_only_routed {str(settings.direction_loss_only_routed).lower()}, "
-        f"sigma_policy {settings.sigma_policy}, positions {settings.positions}"
+        f"sigma_policy {settings.sigma_policy}, positions {settings.positions}, attention {settings.attention}"
     )

@@ -280,6 +280,7 @@ def test_fasterdit_keys_reach_the_flux_step_through_network_args(decisions, inst
         "direction_loss_only_routed": False,
         "sigma_policy": "res_shift",
         "positions": "interpolate",
+        "attention": "plain",
     }
     during.clear()
     without = run_double("flux", *argv, "--network_args", *FASTERDIT, downscale=ALL_ROUTED)

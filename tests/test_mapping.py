@@ -393,7 +393,7 @@ def test_excess_over_reenc_is_the_paired_difference():
     assert math.isnan(run_map(backend, ARMS, parse_bins("0,1"), result.settings, progress=False).row(ROUTE.name, 0).over_reenc)
     assert "over the re-encode control" in console_table(result)
     # one TOML per setting: the default one routes latent_0.75 and lists the variant; the variant's sets its policy
-    assert result.route_settings() == [("keep", "plain"), ("res_shift", "plain")]
+    assert result.route_settings() == [("keep", "plain", "plain"), ("res_shift", "plain", "plain")]
     assert [w.arm for w in stack_windows(result).windows] == [route.name]
     text = windows_toml(result)
     assert f"#   {variant.name}: (0, 1]" in text and "#   reenc" not in text
@@ -520,3 +520,55 @@ def test_vs_plain_is_recomputed_from_the_cells_by_from_json(tmp_path, capsys):
     assert rows["latent_0.75@res_shift"]["vs_plain"] == pytest.approx(-0.12) and rows["latent_0.75"]["vs_plain"] is None
     header = (tmp_path / "out" / "map.csv").read_text().splitlines()[0].split(",")
     assert header[-6:] == ["vs_plain", "vs_plain_se", "vs_plain_lo", "vs_plain_hi", "vs_plain_n", "level"]
+
+
+# ---------------------------------------------------------------------- proportional attention (the attention axis)
+
+
+def test_the_attention_axis_adds_prop_arms_and_keeps_every_stored_name():
+    from downscale_plugin.mapping.arms import setting_suffix
+
+    arms = build_arms([0.5, 0.75], policies=["keep", "res_shift"], attentions=["proportional"])
+    names = [a.name for a in arms]
+    assert names[2:] == ["latent_0.5", "latent_0.5+prop", "latent_0.5@res_shift", "latent_0.5@res_shift+prop",
+                         "latent_0.75", "latent_0.75+prop", "latent_0.75@res_shift", "latent_0.75@res_shift+prop"]  # fmt: skip
+    assert setting_suffix(("res_shift", "interpolate", "plain")) == "@res_shift+interp"  # a stored map's names
+    stored = {"name": "latent_0.5@res_shift", "kind": "latent", "ratio": 0.5, "policy": "res_shift", "positions": "plain"}
+    assert Arm(**stored).setting == ("res_shift", "plain", "plain")  # a map.json from before the axis re-reads
+    with pytest.raises(ValueError, match=r"attention: .*allowed: plain, proportional"):
+        build_arms([0.5], attentions=["tome"])
+
+
+def test_the_in_run_map_backend_refuses_proportional_arms():
+    from types import SimpleNamespace
+
+    from downscale_plugin.hosts.kohya.backend import ProbeBackend
+
+    why = ProbeBackend.unsupported(SimpleNamespace(vae=None), latent_arm(0.5, attention="proportional"))
+    assert why.startswith("arm latent_0.5+prop: the in-run map measures the router's plain setting only")
+
+
+def test_a_proportional_arm_runs_on_the_lab_differs_from_plain_and_is_reported_against_it(tiny_lab, tmp_path):
+    from downscale_plugin.mapping.report import console_table, write_outputs
+
+    plain, prop = latent_arm(0.5), latent_arm(0.5, attention="proportional")
+    losses = []
+    for arm in (plain, prop):
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(5)
+            losses.append(tiny_lab.loss(0, tiny_lab.arm_input(0, arm), 0.7).item())
+    assert losses[0] != losses[1]  # the same draw, the bias changes the step
+    arms = build_arms([0.5], attentions=["plain", "proportional"])
+    result = run_map(tiny_lab, arms, parse_bins("0,0.5,1"), MapSettings(margin=0.1, draws=2, images=2), progress=False)
+    rows = [r for r in result.rows if r.arm == prop.name]
+    assert len(rows) == 3 and all(math.isfinite(r.vs_plain) and r.vs_plain != 0.0 for r in rows)  # two bins and σ = 1
+    assert all(math.isnan(r.vs_plain) for r in result.rows if r.arm == plain.name)
+    table = console_table(result)
+    assert (
+        "paired difference vs the plain latent arm" in table
+        and "windows+prop.toml (sigma_policy = keep, positions = plain, attention = proportional" in table
+    )
+    paths = write_outputs(result, str(tmp_path), command="test")
+    assert paths["toml+prop"].endswith("windows+prop.toml")
+    assert load_config(plugin_toml=toml.load(paths["toml+prop"])).fasterdit.attention == "proportional"
+    assert load_config(plugin_toml=toml.load(paths["toml"])).fasterdit.attention == "plain"

@@ -4,7 +4,7 @@ the native one per (route, σ bin), against the native redraw floor, and derive 
 - ``arms``: ``Arm``, ``build_arms``, the ``MapBackend`` protocol (model-agnostic)
 - ``estimator``: ``MapSettings``, ``collect``, ``summarize``, ``run_map`` → ``MapResult``
 - ``windows``: ``stack_windows``, ``windows_toml`` (a plugin TOML ``load_config`` reads as is),
-  one TOML per measured (sigma_policy, positions) setting; ``other_windows`` (the rest, reported)
+  one TOML per measured (sigma_policy, positions, attention) setting; ``other_windows`` (the rest, reported)
 - ``report``: console table, CSV, JSON, heatmap PNG (``write_outputs``)
 - ``cli``: ``python -m downscale_plugin map`` over the backends host packages register
 - ``certify``, ``paired``, ``sequential``: the budgeted certifier (paired noise, an anytime-valid

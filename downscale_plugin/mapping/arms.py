@@ -9,10 +9,11 @@ it only asks a :class:`MapBackend` for each arm's input once per image and for o
 
 A small-grid arm (``latent``/``pixel``) may also run its step at a σ policy's σ (fasterdit/policies.py:
 ``keep``/``res_shift``/``snr_match``; the map's bin σ is the drawn σ, as the window gate reads it)
-and with position ids interpolated to the native span (``plain``/``interpolate``). The plugin
-applies one ``sigma_policy``/``positions`` setting to every routed step, so the latent arms of each
-measured setting make one windows TOML (``windows.toml`` for keep/plain, ``windows@res_shift+interp.toml``
-...); pixel and reenc arms are comparisons the plugin cannot run, never routes.
+with position ids interpolated to the native span (``plain``/``interpolate``) and with proportional
+attention (``plain``/``proportional``, downscale_plugin/attention.py). The plugin applies one
+``sigma_policy``/``positions``/``attention`` setting to every routed step, so the latent arms of each
+measured setting make one windows TOML (``windows.toml`` for keep/plain/plain, ``windows@res_shift+interp.toml``,
+``windows+prop.toml`` ...); pixel and reenc arms are comparisons the plugin cannot run, never routes.
 """
 
 from __future__ import annotations
@@ -23,32 +24,46 @@ from typing import Any, Protocol
 
 import torch
 
-from ..config import POSITIONS
+from ..config import ATTENTIONS, POSITIONS
 from ..config import SIGMA_POLICIES as POLICIES
 
 NATIVE_A = "native_a"
 NATIVE_B = "native_b"
 ARM_KINDS = ("native", "latent", "reenc", "pixel")
-SMALL_KINDS = ("latent", "pixel")  # arms on a route's smaller grid: they take a ratio, a policy and positions
-PLAIN = ("keep", "plain")  # the (sigma_policy, positions) setting of the plugin's defaults
+SMALL_KINDS = ("latent", "pixel")  # arms on a route's smaller grid: they take a ratio, a policy, positions and attention
+SETTING_KEYS = ("sigma_policy", "positions", "attention")  # the config keys of an arm's setting, in order
+PLAIN = ("keep", "plain", "plain")  # the (sigma_policy, positions, attention) setting of the plugin's defaults
+Setting = tuple[str, str, str]
 
 
-def setting_suffix(setting: tuple[str, str]) -> str:
-    """``""`` for keep/plain, else ``@res_shift``, ``+interp``, ``@snr_match+interp``: arm names and TOML file names."""
-    policy, positions = setting
-    return (f"@{policy}" if policy != "keep" else "") + ("+interp" if positions == "interpolate" else "")
+def setting_suffix(setting: Setting) -> str:
+    """``""`` for keep/plain/plain, else ``@res_shift``, ``+interp``, ``+prop``, ``@snr_match+interp+prop``: arm names and
+    TOML file names (a map stored before the attention axis re-reads with the same names)."""
+    policy, positions, attention = setting
+    return (
+        (f"@{policy}" if policy != "keep" else "")
+        + ("+interp" if positions == "interpolate" else "")
+        + ("+prop" if attention == "proportional" else "")
+    )
+
+
+def setting_text(setting: Setting) -> str:
+    """``sigma_policy = keep, positions = plain, attention = proportional``: the keys a setting's windows TOML sets."""
+    return ", ".join(f"{key} = {value}" for key, value in zip(SETTING_KEYS, setting, strict=True))
 
 
 @dataclass(frozen=True)
 class Arm:
     """``kind`` in :data:`ARM_KINDS`; ``ratio`` is the linear downscale for ``latent``/``pixel``;
-    ``policy`` (the config's ``SIGMA_POLICIES``) and ``positions`` (``POSITIONS``) apply to those two kinds only."""
+    ``policy`` (the config's ``SIGMA_POLICIES``), ``positions`` (``POSITIONS``) and ``attention`` (``ATTENTIONS``) apply to
+    those two kinds only."""
 
     name: str
     kind: str
     ratio: float | None = None
     policy: str = "keep"
     positions: str = "plain"
+    attention: str = "plain"
 
     def __post_init__(self) -> None:
         if self.kind not in ARM_KINDS:
@@ -57,11 +72,14 @@ class Arm:
             raise ValueError(f"arm {self.name}: policy {self.policy!r} is not allowed (allowed: {', '.join(POLICIES)})")
         if self.positions not in POSITIONS:
             raise ValueError(f"arm {self.name}: positions {self.positions!r} is not allowed (allowed: {', '.join(POSITIONS)})")
+        if self.attention not in ATTENTIONS:
+            raise ValueError(f"arm {self.name}: attention {self.attention!r} is not allowed (allowed: {', '.join(ATTENTIONS)})")
         if (self.ratio is not None) != (self.kind in SMALL_KINDS):
             raise ValueError(f"arm {self.name}: a ratio is required for kinds {', '.join(SMALL_KINDS)} and only for them")
-        if self.kind not in SMALL_KINDS and (self.policy, self.positions) != ("keep", "plain"):
+        if self.kind not in SMALL_KINDS and self.setting != PLAIN:
             raise ValueError(
-                f"arm {self.name}: a σ policy or interpolated positions apply to small-grid arms ({', '.join(SMALL_KINDS)}) only"
+                f"arm {self.name}: a σ policy, interpolated positions or proportional attention apply to small-grid arms "
+                f"({', '.join(SMALL_KINDS)}) only"
             )
 
     @property
@@ -70,31 +88,31 @@ class Arm:
         return self.kind != "native"
 
     @property
-    def setting(self) -> tuple[str, str]:
-        """(sigma_policy, positions): the plugin setting a latent arm's windows are valid under."""
-        return self.policy, self.positions
+    def setting(self) -> Setting:
+        """(sigma_policy, positions, attention): the plugin setting a latent arm's windows are valid under."""
+        return self.policy, self.positions, self.attention
 
     @property
     def routable(self) -> bool:
-        """A latent arm under the plugin's default setting (keep, plain): a route of ``windows.toml``."""
+        """A latent arm under the plugin's default setting (keep, plain, plain): a route of ``windows.toml``."""
         return self.kind == "latent" and self.setting == PLAIN
 
 
 def plain_sibling(arm: Arm, arms: Sequence[Arm]) -> Arm | None:
-    """The keep/plain latent arm of ``arm``'s ratio, which a variant (a latent arm under another
+    """The keep/plain/plain latent arm of ``arm``'s ratio, which a variant (a latent arm under another
     setting, or a pixel arm) is read against; None for that arm itself, non-small arms, or when absent."""
     if arm.kind not in SMALL_KINDS or arm.routable:
         return None
     return next((a for a in arms if a.routable and a.ratio == arm.ratio), None)
 
 
-def small_arm(kind: str, ratio: float, policy: str = "keep", positions: str = "plain") -> Arm:
-    """``latent_0.75``, ``latent_0.75@res_shift``, ``latent_0.75+interp``, ``pixel_0.75@snr_match+interp``."""
-    return Arm(f"{kind}_{ratio:g}{setting_suffix((policy, positions))}", kind, ratio, policy, positions)
+def small_arm(kind: str, ratio: float, policy: str = "keep", positions: str = "plain", attention: str = "plain") -> Arm:
+    """``latent_0.75``, ``latent_0.75@res_shift``, ``latent_0.75+interp``, ``latent_0.75+prop``, ``pixel_0.75@snr_match+interp``."""
+    return Arm(f"{kind}_{ratio:g}{setting_suffix((policy, positions, attention))}", kind, ratio, policy, positions, attention)
 
 
-def latent_arm(ratio: float, policy: str = "keep", positions: str = "plain") -> Arm:
-    return small_arm("latent", ratio, policy, positions)
+def latent_arm(ratio: float, policy: str = "keep", positions: str = "plain", attention: str = "plain") -> Arm:
+    return small_arm("latent", ratio, policy, positions, attention)
 
 
 def pixel_arm(ratio: float) -> Arm:
@@ -119,8 +137,9 @@ def build_arms(
     reenc: bool = False,
     policies: Sequence[str] = ("keep",),
     positions: Sequence[str] = ("plain",),
+    attentions: Sequence[str] = ("plain",),
 ) -> tuple[Arm, ...]:
-    """Native A, native B, per ratio (deepest first) one latent-area arm per (policy, positions),
+    """Native A, native B, per ratio (deepest first) one latent-area arm per (policy, positions, attention),
     then the optional VAE arms. The plain ``keep`` arm of each ratio is always included: it runs under
     the plugin's default setting and is the baseline its variants are read against."""
     if not ratios:
@@ -132,9 +151,10 @@ def build_arms(
         raise ValueError(f"ratios: {list(ratios)} has duplicates")
     policies = ["keep", *(p for p in _choices("policies", policies, POLICIES) if p != "keep")]
     positions = ["plain", *(p for p in _choices("positions", positions, POSITIONS) if p != "plain")]
+    attentions = ["plain", *(a for a in _choices("attention", attentions, ATTENTIONS) if a != "plain")]
     ordered = sorted(ratios)
     arms = [Arm(NATIVE_A, "native"), Arm(NATIVE_B, "native")]
-    arms += [latent_arm(r, pol, pos) for r in ordered for pol in policies for pos in positions]
+    arms += [latent_arm(r, pol, pos, att) for r in ordered for pol in policies for pos in positions for att in attentions]
     if pixel:
         arms += [pixel_arm(r) for r in ordered]
     if reenc:
@@ -148,7 +168,7 @@ class MapBackend(Protocol):
     ``loss`` must draw its noise from torch's global RNG (the estimator seeds it per
     (image, bin, arm, draw) inside a fork) and return the training loss of exactly one draw at the
     given (drawn) σ, built by the trainer's own step code; the estimator differentiates it w.r.t.
-    ``trainable_parameters()`` only. An arm's σ policy and positions travel in its ``arm_input``.
+    ``trainable_parameters()`` only. An arm's σ policy, positions and attention travel in its ``arm_input``.
     """
 
     rng_devices: Sequence[torch.device]

@@ -72,6 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--positions", default="plain", help="positions of the latent arms, comma-separated: plain,interpolate (default plain)"
     )
+    parser.add_argument(
+        "--attention",
+        default="plain",
+        help="attention of the latent arms, comma-separated: plain,proportional (default plain; proportional: the lab only)",
+    )
     parser.add_argument("--pixel", action="store_true", help="add a pixel-downscale-then-encode arm per ratio (lab: true crop pixels)")
     parser.add_argument("--reenc", action="store_true", help="add the re-encode control (decode, encode at native size)")
     parser.add_argument(
@@ -109,7 +114,7 @@ def _names(text: str) -> list[str]:
 def command_line(args: argparse.Namespace, source: MapSource, source_words: Sequence[str]) -> str:
     """The canonical command that reproduces this run (every setting spelled out)."""
     parts = [f"python -m downscale_plugin map --{source.flag}", *source_words]
-    parts += [f"--ratios {args.ratios}", f"--policies {args.policies}", f"--positions {args.positions}"]
+    parts += [f"--ratios {args.ratios}", f"--policies {args.policies}", f"--positions {args.positions}", f"--attention {args.attention}"]
     parts += ["--pixel"] if args.pixel else []
     parts += ["--reenc"] if args.reenc else []
     parts += [f"--bins {args.bins}", f"--draws {args.draws}", f"--images {args.images}"]
@@ -120,7 +125,7 @@ def command_line(args: argparse.Namespace, source: MapSource, source_words: Sequ
 
 
 # Flags that only mean something when gradients are measured; --from_json refuses them (and every source's options).
-MEASUREMENT_FLAGS = ("ratios", "policies", "positions", "pixel", "reenc", "bins", "no_endpoint", "draws", "images", "seed")
+MEASUREMENT_FLAGS = ("ratios", "policies", "positions", "attention", "pixel", "reenc", "bins", "no_endpoint", "draws", "images", "seed")
 
 
 def rederive(args: argparse.Namespace, parser_defaults: dict) -> int:
@@ -168,7 +173,7 @@ def run(args: argparse.Namespace) -> int:
         problems.append(f"ratios: {args.ratios!r}: {err}")
     else:
         try:
-            arms = build_arms(ratios, args.pixel, args.reenc, _names(args.policies), _names(args.positions))
+            arms = build_arms(ratios, args.pixel, args.reenc, _names(args.policies), _names(args.positions), _names(args.attention))
         except ValueError as err:
             problems.append(str(err))
     try:

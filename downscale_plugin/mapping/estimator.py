@@ -503,11 +503,11 @@ class MapResult:
     provenance: dict[str, Any] = field(default_factory=dict)
 
     def routes(self, setting: tuple[str, str] = PLAIN) -> list[Arm]:
-        """The latent arms measured under one (sigma_policy, positions) setting: one windows TOML's routes."""
+        """The latent arms measured under one (sigma_policy, positions, attention) setting: one windows TOML's routes."""
         return [a for a in self.arms if a.kind == "latent" and a.setting == setting]
 
     def route_settings(self) -> list[tuple[str, str]]:
-        """Every (sigma_policy, positions) setting the latent arms were measured under, first seen first."""
+        """Every (sigma_policy, positions, attention) setting the latent arms were measured under, first seen first."""
         return list(dict.fromkeys(a.setting for a in self.arms if a.kind == "latent"))
 
     def row(self, arm: str, bin_: int) -> BinResult:

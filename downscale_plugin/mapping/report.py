@@ -10,7 +10,7 @@ import os
 from collections.abc import Callable
 from dataclasses import asdict, fields
 
-from .arms import PLAIN, plain_sibling, setting_suffix
+from .arms import PLAIN, plain_sibling, setting_suffix, setting_text
 from .estimator import BinResult, MapResult
 from .windows import arm_windows, other_windows, stack_windows, windows_toml
 
@@ -93,7 +93,7 @@ def console_table(result: MapResult) -> str:
     lines.append("")
     for setting in result.route_settings():
         stack = stack_windows(result, setting)
-        label = f"windows{setting_suffix(setting)}.toml (sigma_policy = {setting[0]}, positions = {setting[1]}; priority order): "
+        label = f"windows{setting_suffix(setting)}.toml ({setting_text(setting)}; priority order): "
         lines.append(label + (", ".join(f"{w.arm} {w.text()}" for w in stack.windows) or "none"))
         lines += [f"  note: {n}" for n in stack.notes]
     pixel = [a for a in result.arms if a.kind == "pixel"]

@@ -8,9 +8,9 @@ schema shape the output: a window that an earlier (higher-priority) window alrea
 never fire and is dropped, and only the last rule may leave ``sigma_max`` out, so an open-top
 window anywhere else is closed at 1 (σ = 1 exactly then falls to a later rule or native: conservative).
 
-One TOML per measured (sigma_policy, positions) setting: the plugin applies that setting to every
+One TOML per measured (sigma_policy, positions, attention) setting: the plugin applies that setting to every
 routed step, so a file's rules come from the latent arms measured under it, and a file for a
-non-default setting sets the two keys. Every other small-grid arm (other settings, pixel-then-encode,
+non-default setting sets sigma_policy and positions, and attention when it is proportional. Every other small-grid arm (other settings, pixel-then-encode,
 which the plugin cannot run) is listed with its own windows in a comment (:func:`other_windows`).
 """
 
@@ -23,7 +23,7 @@ from dataclasses import dataclass
 import toml
 
 from ..arch import get_arch
-from .arms import PLAIN, Arm
+from .arms import PLAIN, SETTING_KEYS, Arm, Setting, setting_text
 from .estimator import BinResult, MapResult
 
 
@@ -77,7 +77,7 @@ def arm_windows(result: MapResult, arm: Arm) -> list[Window]:
     return route_windows(rows, result.bins.n_segmented, arm.ratio)
 
 
-def other_windows(result: MapResult, setting: tuple[str, str] = PLAIN) -> dict[str, list[Window]]:
+def other_windows(result: MapResult, setting: Setting = PLAIN) -> dict[str, list[Window]]:
     """Every small-grid arm that is not a route of ``setting`` -> its own windows (none: an empty list)."""
     routes = result.routes(setting)
     return {a.name: arm_windows(result, a) for a in result.arms if a.ratio is not None and a not in routes}
@@ -91,7 +91,7 @@ class Stack:
     notes: tuple[str, ...]
 
 
-def stack_windows(result: MapResult, setting: tuple[str, str] = PLAIN) -> Stack:
+def stack_windows(result: MapResult, setting: Setting = PLAIN) -> Stack:
     """The windows of the routes measured under ``setting``, deepest first, made valid for ``config.load_config``."""
     ordered: list[Window] = []
     notes: list[str] = []
@@ -227,7 +227,7 @@ def render_windows(
     return "\n".join(header) + "\n\n" + toml.dumps(doc)
 
 
-def windows_toml(result: MapResult, command: str = "", date: str | None = None, setting: tuple[str, str] = PLAIN) -> str:
+def windows_toml(result: MapResult, command: str = "", date: str | None = None, setting: Setting = PLAIN) -> str:
     """A plugin TOML (``downscale_config=``) for one setting, with a provenance header; ``enable = false`` if no window."""
     backend = result.provenance.get("backend", {})
     stack = stack_windows(result, setting)
@@ -244,7 +244,7 @@ def windows_toml(result: MapResult, command: str = "", date: str | None = None, 
         f"({'Bonferroni' if s.simultaneous else 'fallback chains per arm from σ = 1 down and from its lowest bin up'})",
         f"# date: {date}",
         f"# command: {command or '?'}",
-        f"# routed steps run with sigma_policy = {setting[0]}, positions = {setting[1]} (arms: {', '.join(a.name for a in result.routes(setting))})",
+        f"# routed steps run with {setting_text(setting)} (arms: {', '.join(a.name for a in result.routes(setting))})",
     ]
     header += [f"# note: {n}" for n in stack.notes]
     others = other_windows(result, setting)
@@ -254,5 +254,7 @@ def windows_toml(result: MapResult, command: str = "", date: str | None = None, 
         )
         header += [f"#   {name}: {', '.join(w.text() for w in ws) or 'no window'}" for name, ws in others.items()]
     method = f"map (N = {s.images}, D = {s.draws}, heavy-tail calibrated safe read, false-safe ≤ {s.alpha:g} family-wise)"
-    extra = dict(zip(("sigma_policy", "positions"), setting, strict=True)) if setting != PLAIN else None
+    # sigma_policy and positions always with a non-default setting (as before the attention axis); attention when not plain
+    keys = dict(zip(SETTING_KEYS, setting, strict=True))
+    extra = None if setting == PLAIN else {k: v for k, v in keys.items() if k != "attention" or v != PLAIN[2]}
     return render_windows(backend, stack, header, method, s.margin, s.images, date, extra)

@@ -115,7 +115,7 @@ class ProbeBackend:
         if arm.kind == "reenc":
             return None
         if arm.setting != PLAIN:
-            return f"arm {arm.name}: the in-run map measures the router's plain setting only (keep σ, plain positions; the lab map has the others)"
+            return f"arm {arm.name}: the in-run map measures the router's plain setting only (keep σ, plain positions, plain attention; the lab map has the others)"
         bad = sorted({g for g in self.grids if target_grid(g, arm.ratio, self.arch) is None})
         if bad:
             return f"arm {arm.name}: no strictly smaller {self.arch.name} grid (multiple {self.arch.multiple}) for probe latents {bad}"

@@ -311,9 +311,14 @@ def host_namespace(parser: argparse.ArgumentParser, arguments: Sequence[str]) ->
         return None
 
 
-def startup_report(argv: Sequence[str], drift: Callable[[Sequence[str]], list[str]] | None = None) -> str | None:
+def startup_report(
+    argv: Sequence[str],
+    drift: Callable[[Sequence[str]], list[str]] | None = None,
+    refusals: Callable[[Sequence[str], DownscaleConfig, dict[str, Any]], list[str]] | None = None,
+) -> str | None:
     """The startup check: the report to print before exiting 2, or None (the command does not train with
-    the plugin, asks for help, writes a config, or its plugin config is valid and ``drift(argv)``, the host's
+    the plugin, asks for help, writes a config, or its plugin config is valid, ``refusals(argv, cfg, host_args)``,
+    what the host refuses of the config for the script's architecture, finds nothing, and ``drift(argv)``, the host's
     self-check of the checkout the command runs (``hosts/kohya/selfcheck.py``), finds nothing or only what
     ``host_check = "warn"`` logs and lets through)."""
     try:
@@ -331,12 +336,14 @@ def startup_report(argv: Sequence[str], drift: Callable[[Sequence[str]], list[st
     if module != PLUGIN_MODULE:
         return None
     try:
-        cfg, _ = config_from_command_line(argv)
+        cfg, host_args = config_from_command_line(argv)
+        refused = refusals(argv, cfg, host_args) if refusals is not None else []
         problems = drift(argv) if drift is not None else []
         if problems:
             from .selfcheck import warned  # torch is imported already: the self-check ran
 
             problems = warned(problems, cfg.host_check)
+        problems = refused + problems
         if problems:
             raise ConfigError(problems)
     except ConfigError as err:

@@ -18,6 +18,7 @@ import torch
 
 from ...accounting import Accounting, StepRecord
 from ...arch import ARCHS, ArchSpec, get_arch
+from ...attention import PROPORTIONAL
 from ...config import DownscaleConfig, RouteRule
 from ...flops import FlopModel
 from ...lab import flux_train_utils, flux_utils
@@ -31,6 +32,7 @@ from ..kohya.run import carry_native
 from ..sd_scripts.families import FlowFamily
 from ..sd_scripts.hook import DownscaleHook, StepOptions
 from ..sd_scripts.map import MapHook
+from .attention import attention_scope
 from .auto import LabAutoSession
 from .sampler import lab_sampler
 
@@ -105,7 +107,10 @@ class LabPlugin:
     def installer(self, trainer: object, args: argparse.Namespace) -> Iterator[None]:
         self._args = args
         router = self._routing(self.cfg, args)
-        options = StepOptions.from_config(self.cfg, loss_module=lab_trainer, positions_arch=LAB_ARCH, positions_module=flux_utils)
+        scope = attention_scope() if self.cfg.fasterdit.attention == PROPORTIONAL else None
+        options = StepOptions.from_config(
+            self.cfg, loss_module=lab_trainer, positions_arch=LAB_ARCH, positions_module=flux_utils, attention_scope=scope
+        )
         auto = self.cfg.mode == "auto" and self.cfg.certify.budget > 0
         hook = (MapHook if auto else DownscaleHook)(
             router, FlowFamily(flux_train_utils, "flux"), options=options, on_step=self._on_step, step_logs=self._step_logs

@@ -30,7 +30,9 @@ Policies and positions (fasterdit/policies.py, fasterdit/positions.py): a small-
 policy's factor k (``res_shift`` from the token counts, ``snr_match`` from the data stds of the
 native probe latents and of this arm's small inputs, pooled over every probe), replayed through the
 host sampler slot; with ``interpolate`` the forward runs inside ``positions_scope`` (Flux ids from
-``lab.flux_utils.prepare_img_ids``), so the small grid's ids span the native extent.
+``lab.flux_utils.prepare_img_ids``), so the small grid's ids span the native extent; with ``attention = proportional``
+inside the lab's attention scope (``hosts/lab/attention.py``: ln(N_native / N_small) on the image keys), as a routed
+training step runs.
 """
 
 from __future__ import annotations
@@ -45,6 +47,7 @@ import torch
 
 from ... import __version__
 from ...arch import get_arch
+from ...attention import PROPORTIONAL, log_size
 from ...fasterdit.policies import policy_factor, shift_sigma
 from ...fasterdit.positions import positions_scope
 from ...fasterdit.stats import Moments
@@ -54,6 +57,7 @@ from ...lab.data import FACTOR
 from ...mapping.arms import SMALL_KINDS, Arm
 from ...rng import forked, seed_forked
 from ..sd_scripts.families import FlowFamily
+from .attention import attention_scope
 
 PROBE_STREAM = 0x9B0BE  # probe crops come from their own data stream, never the warm-up batches
 
@@ -81,11 +85,13 @@ class LabMapConfig:
 @dataclass(frozen=True)
 class ArmInput:
     """One arm's data for one probe: its latent, the σ policy factor k its step runs at
-    (``shift_sigma(σ, k)``; 1 = keep) and whether its position ids are interpolated to the native span."""
+    (``shift_sigma(σ, k)``; 1 = keep), whether its position ids are interpolated to the native span and whether its
+    attention is proportional."""
 
     latents: torch.Tensor
     shift: float = 1.0
     interpolate: bool = False
+    proportional: bool = False
 
 
 def select_probes(data: Any, n: int, native_hw: tuple[int, int], seed: int) -> list[dict]:
@@ -165,6 +171,7 @@ class LabBackend:
         self.cfg = cfg
         self.arch = get_arch(cfg.arch)
         self.flux_utils = flux_utils  # the module whose ``prepare_img_ids`` the trainer calls (positions scope)
+        self.attention_scope = attention_scope()  # the lab DiT's joint attention (proportional arms)
         model_cfg = get_base(cfg.base).model if cfg.base else cfg.model or LabModelConfig()
         base = cfg.data or LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
         data = task_data(cfg.task, base)
@@ -279,11 +286,14 @@ class LabBackend:
         return k
 
     def arm_input(self, image: int, arm: Arm) -> ArmInput:
-        return ArmInput(self._latents(image, arm.kind, arm.ratio), self._shift(arm), arm.positions == "interpolate")
+        return ArmInput(
+            self._latents(image, arm.kind, arm.ratio), self._shift(arm), arm.positions == "interpolate", arm.attention == PROPORTIONAL
+        )
 
     def loss(self, image: int, arm_input: ArmInput, sigma: float) -> torch.Tensor:
         """One draw of the trainer's loss; the step runs at the arm's policy σ (timestep σ·1000, the
-        host's continuous-mode value), inside the positions scope for an interpolating arm."""
+        host's continuous-mode value), inside the positions scope for an interpolating arm and the attention scope
+        for a proportional one."""
         key = float(shift_sigma(sigma, arm_input.shift)) if arm_input.shift != 1.0 else float(sigma)
         sigma_key = torch.tensor([key], dtype=torch.float64)
         position = self.sampler.pool.add(sigma_key * self.noise_scheduler.config.num_train_timesteps, sigma_key)
@@ -296,7 +306,11 @@ class LabBackend:
         }
         small_hw = tuple(arm_input.latents.shape[-2:])
         scope = positions_scope(self.arch, self.cfg.native_hw, small_hw, module=self.flux_utils) if arm_input.interpolate else nullcontext()
-        with self.sampler.replay(position), scope:
+        small = tokens(small_hw, self.arch)
+        attention = (
+            self.attention_scope(small, log_size(tokens(self.cfg.native_hw, self.arch), small)) if arm_input.proportional else nullcontext()
+        )
+        with self.sampler.replay(position), scope, attention:
             return self.trainer.process_batch(
                 batch, self.text_encoder, self.model, self.model, self.noise_scheduler, torch.float32, self.accelerator, self.args
             )

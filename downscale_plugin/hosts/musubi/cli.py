@@ -105,7 +105,7 @@ def _run_problems(cfg: DownscaleConfig, values: Mapping[str, Any], script_arch: 
 
     problems = []
     try:
-        refuse_unsupported(cfg)
+        refuse_unsupported(cfg, script_arch)
     except HostError as err:
         problems.append(str(err))
     archs = tuple(BY_ARCH)

@@ -28,6 +28,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from ...arch import get_arch
+from ...attention import PROPORTIONAL, require_proportional
 from ...config import FasterDitConfig
 from ...flops import BUILDERS, arch_flops
 from ...plan import format_plan, plan_table
@@ -147,8 +148,12 @@ def _forwards(args: Any) -> int:
     return int(args.max_train_steps) * int(getattr(args, "gradient_accumulation_steps", 1) or 1)
 
 
-def refuse_unsupported(cfg: Any) -> None:
-    """Features whose host handles this package does not provide: refused by key, not silently ignored.
+def refuse_unsupported(cfg: Any, arch: str | None = None) -> None:
+    """Features whose host handles this package does not provide: refused by key, not silently ignored (``arch``:
+    the run's, where known).
+
+    ``attention = "proportional"``: no musubi-tuner DiT's joint attention has a handle the plugin biases for a routed
+    forward (``downscale_plugin/attention.py``; sd-scripts' FLUX.1 and the lab DiT have one).
 
     ``positions = "interpolate"``: every supported DiT builds its RoPE from the latent shape, and Wan
     (``freqs_fhw``), Qwen-Image (``rope_cache``) and HunyuanVideo (``pos_embed_cache``) cache it keyed by the
@@ -161,6 +166,11 @@ def refuse_unsupported(cfg: Any) -> None:
             "from the latent shape, cached per token grid (Wan's freqs_fhw, Qwen-Image's rope_cache, HunyuanVideo's "
             "pos_embed_cache), with no position handle the plugin can scale for a routed step alone"
         )
+    if cfg.fasterdit.attention == PROPORTIONAL:
+        try:
+            require_proportional("musubi-tuner", arch or "any architecture", (), "sd-scripts' flux and the lab DiT take it")
+        except ValueError as err:
+            raise HostError(str(err)) from None
 
 
 def routing(
@@ -202,7 +212,7 @@ def start(network: Any, inner: str, plugin_keys: dict[str, str], args: Any) -> D
         raise HostError(
             f"arch: the config says {cfg.arch!r} but this run is {record.arch!r} ({type(ctx.trainer).__name__}); remove arch or fix it"
         )
-    refuse_unsupported(cfg)
+    refuse_unsupported(cfg, record.arch)
     check_methods(ctx.trainer)
     check_run(ctx, record, cfg.gate)
     drift = refuse_host_drift(ctx.trainer, record, args, cfg.host_check)  # selfcheck.py; the startup check ran it before the DiT loaded

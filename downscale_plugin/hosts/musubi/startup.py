@@ -1,5 +1,6 @@
 """Before the trainer: the drift self-check (``selfcheck.py``) of the musubi-tuner a training command line runs,
-for the startup check (``downscale_plugin_startup.DRIFT_CHECKS``) and ``check --host musubi -- SCRIPT ...``.
+for the startup check (``downscale_plugin_startup.DRIFT_CHECKS``) and ``check --host musubi -- SCRIPT ...``, and what
+the run refuses of the config whatever the checkout (:func:`command_line_refusals`).
 
 It imports nothing heavy (torch, the host) unless the command runs a supported musubi-tuner training script and
 ``musubi_tuner`` is importable, from the script's checkout (its ``src``: the wrapper scripts at the checkout's
@@ -14,8 +15,9 @@ import argparse
 import importlib
 import importlib.util
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import ModuleType
+from typing import Any
 
 from ..kohya.conventions import host_imports, host_namespace, trainer_arguments
 from .facts import BASE_TRAINER, BY_ARCH, HOST_PACKAGE, MUSUBI_ARCHS, TRAINER_BASE, MusubiArch
@@ -83,3 +85,19 @@ def command_line_drift(argv: Sequence[str]) -> list[str]:
         except Exception as err:  # a fresh NetworkTrainer and its loop scheduler
             return [uncallable(f"{TRAINER_BASE}.{BASE_TRAINER}", "the self-check's trainer and scheduler", err, CHECKED_AGAINST)]
         return drift_problems(checks, CHECKED_AGAINST)
+
+
+def command_line_refusals(argv: Sequence[str], cfg: Any, host_args: Mapping[str, Any]) -> list[str]:
+    """What ``prepare_network`` refuses of ``cfg`` on musubi-tuner (``start.refuse_unsupported``), said before any
+    model loads for a command line that runs a musubi-tuner script."""
+    found = script_checkout(argv)
+    if found is None:
+        return []
+    from .facts import HostError
+    from .start import refuse_unsupported
+
+    try:
+        refuse_unsupported(cfg, found[0].arch)
+    except HostError as err:
+        return [str(err)]
+    return []

@@ -26,7 +26,7 @@ from ..kohya.selfcheck import warned
 from .buckets import sd_scripts_buckets
 from .facts import ARCHS, BY_ARCH
 from .flop_args import run_flops
-from .startup import command_line_drift
+from .startup import command_line_drift, command_line_refusals
 
 SAMPLER_KNOBS = (
     "timestep_sampling",
@@ -213,11 +213,12 @@ register_latent_source(
 
 
 def read_command_line(argv: list[str]) -> tuple[Any, dict[str, Any]]:
-    """``check -- SCRIPT ...``: the command line's config (:func:`config_from_command_line`), then the drift
+    """``check -- SCRIPT ...``: the command line's config (:func:`config_from_command_line`), what the script's
+    architecture refuses of it (``startup.command_line_refusals``), then the drift
     self-check of the sd-scripts checkout it runs, where importable (``selfcheck.py``; ``host_check = "warn"`` logs its
     findings instead); ConfigError lists every problem."""
     cfg, merged = config_from_command_line(argv)
-    problems = warned(command_line_drift(argv), cfg.host_check)
+    problems = command_line_refusals(argv, cfg, merged) + warned(command_line_drift(argv), cfg.host_check)
     if problems:
         raise ConfigError(problems)
     return cfg, merged

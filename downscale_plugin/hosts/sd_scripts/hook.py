@@ -17,6 +17,9 @@ FasterDiT options (:class:`StepOptions`, ``fasterdit``), each off by default and
   observers get both. ``snr_match`` reads the data stds of the run's own latents, native and
   downsampled, pooled over its routed steps so far (``RunningStd``; per rank).
 - ``positions = "interpolate"``: the routed forward runs inside ``positions_scope``.
+- ``attention = "proportional"``: the routed forward runs inside the host's attention scope
+  (``StepOptions.attention_scope``: sd-scripts' ``attention.py``, the lab's), which adds ln(N_native / N_small)
+  to the logits of the small grid's image keys (``downscale_plugin/attention.py``).
 
 The wrap is an instance attribute: it shadows the class method for exactly that trainer, whatever
 module the class lives in (``python train_network.py`` puts it in ``__main__``), and goes into the
@@ -26,19 +29,20 @@ run's record of patches (``scope.Patches``), which takes it off at the run's end
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from dataclasses import dataclass
 from typing import Any, NamedTuple
 
 import torch
 
 from ...arch import ArchSpec
+from ...attention import PROPORTIONAL, log_size
 from ...config import DownscaleConfig, FasterDitConfig
 from ...fasterdit.direction_loss import direction_loss_scope
 from ...fasterdit.policies import RoutedSigmas
 from ...fasterdit.positions import positions_scope, require_interpolate
-from ...grid import area_downsample
+from ...grid import area_downsample, tokens
 from ...router import RouteDecision, Router
 from ...scope import Patches
 from .families import BoundSampler, SamplerFamily
@@ -57,12 +61,15 @@ class StepOptions:
     ``positions_arch`` / ``positions_module``: the architecture whose position handle
     ``positions_scope`` scales and the module holding it (Flux ``flux_utils``, HunyuanImage
     ``hunyuan_image_utils``; Lumina and Anima use the unwrapped denoiser); needed for ``interpolate``.
+    ``attention_scope``: the host's ``(image tokens of the routed grid, ln s) → scope`` adding ln s to the logits
+    of those image keys in its joint attention for one routed forward; needed for ``proportional``.
     """
 
     settings: FasterDitConfig = FasterDitConfig()
     loss_module: Any = None
     positions_arch: ArchSpec | None = None
     positions_module: Any = None
+    attention_scope: Callable[[int, float], AbstractContextManager] | None = None
 
     def __post_init__(self) -> None:
         if self.settings.direction_loss_weight and self.loss_module is None:
@@ -71,6 +78,8 @@ class StepOptions:
             if self.positions_arch is None:
                 raise ValueError("positions = 'interpolate' needs positions_arch, the architecture whose position handle it scales")
             require_interpolate(self.positions_arch)
+        if self.settings.attention == PROPORTIONAL and self.attention_scope is None:
+            raise ValueError(f"attention = {PROPORTIONAL!r} needs attention_scope, the host's scope that biases its joint attention")
 
     @classmethod
     def from_config(cls, cfg: DownscaleConfig, **handles: Any) -> StepOptions:
@@ -222,7 +231,7 @@ class DownscaleHook:
         sigmas, positions = self.run_sigmas(decision, sampler, call.noise_scheduler, latents, small)
         self._observe(decision, native_hw, run_hw, sigmas)
         return self.run_host(
-            original, call, sampler, small, positions, self._positions(decision, call.accelerator, call.unet, native_hw, run_hw)
+            original, call, sampler, small, positions, self._routed_scope(decision, call.accelerator, call.unet, native_hw, run_hw)
         )
 
     @staticmethod
@@ -258,10 +267,20 @@ class DownscaleHook:
         positions = self.family.remember(sampler, noise_scheduler, mapped)
         return sampler.pool.pairs(positions)[1], positions  # the σ the host replays (SD1/SDXL: the nearest timestep's)
 
-    def _positions(
+    @contextmanager
+    def _routed_scope(
         self, decision: RouteDecision, accelerator: Any, unet: Any, native_hw: tuple[int, int], run_hw: tuple[int, int]
-    ) -> AbstractContextManager:
-        if self.options.settings.positions == "plain" or not decision.routed:
-            return nullcontext()
-        model = accelerator.unwrap_model(unet) if unet is not None else None
-        return positions_scope(self.options.positions_arch, native_hw, run_hw, model=model, module=self.options.positions_module)
+    ) -> Iterator[None]:
+        """The scopes a routed forward runs inside: interpolated positions, proportional attention (none on other steps)."""
+        settings = self.options.settings
+        with ExitStack() as stack:
+            if decision.routed and settings.positions != "plain":
+                model = accelerator.unwrap_model(unet) if unet is not None else None
+                stack.enter_context(
+                    positions_scope(self.options.positions_arch, native_hw, run_hw, model=model, module=self.options.positions_module)
+                )
+            if decision.routed and settings.attention == PROPORTIONAL:
+                arch = self.router.arch
+                small = tokens(run_hw, arch)
+                stack.enter_context(self.options.attention_scope(small, log_size(tokens(native_hw, arch), small)))
+            yield

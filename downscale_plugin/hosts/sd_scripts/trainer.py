@@ -16,7 +16,10 @@ from typing import Any
 import torch
 
 from ...arch import get_arch
+from ...attention import PROPORTIONAL
 from ...config import DownscaleConfig
+from .attention import attention_scope
+from .attention import refuse_unsupported as refuse_attention
 from .facts import LOSS_HANDLE, SUPPORTED, HostError, TrainerArch, trainer_arch
 from .families import DDPMFamily, FlowFamily, HostSampler, SamplerFamily
 from .hook import StepOptions
@@ -94,7 +97,7 @@ def _handle_module(arch: str, name: str, attr: str) -> ModuleType:
 
 
 def step_options(cfg: DownscaleConfig, record: TrainerArch) -> StepOptions:
-    """The run's FasterDiT options bound to this host's handles (imported only when an option needs them)."""
+    """The run's routed-step options bound to this host's handles (imported only when an option needs them)."""
     handles: dict[str, Any] = {}
     if cfg.fasterdit.direction_loss_weight:
         handles["loss_module"] = _handle_module(record.arch, *LOSS_HANDLE)
@@ -102,6 +105,12 @@ def step_options(cfg: DownscaleConfig, record: TrainerArch) -> StepOptions:
         handles["positions_arch"] = get_arch(record.arch)
         if record.positions_handle is not None:
             handles["positions_module"] = _handle_module(record.arch, *record.positions_handle)
+    if cfg.fasterdit.attention == PROPORTIONAL:
+        try:
+            refuse_attention(record.arch)
+            handles["attention_scope"] = attention_scope()
+        except (ValueError, ImportError, AttributeError) as err:
+            raise HostError(f"{err}; {SUPPORTED}") from err
     try:
         return StepOptions.from_config(cfg, **handles)
     except ValueError as err:

@@ -116,10 +116,28 @@ class MMDiT(_Tiny):
 
 
 class Flux(_Tiny):
+    """``joint_attention`` (off by default, a test opts in before the trainer builds the model): the packed image
+    and the text also run one ``DoubleStreamBlock`` and one ``SingleStreamBlock`` of ``library.flux_models``
+    (joint attention, text first, the T5 mask, the host's gradient checkpointing)."""
+
     multiple = 1  # packed tokens; packing itself needs even h, w
+    joint_attention = False
+    TEXT_DIM = 8  # the trainer double's T5 stand-in (flux_train_network.py text_conds)
 
     def __init__(self, channels: int = 4):
         super().__init__(features=channels * 4)
+        if self.joint_attention:
+            from library import flux_models
+
+            hidden = channels * 4
+            self.txt_in = nn.Linear(self.TEXT_DIM, hidden)
+            self.double_block = flux_models.DoubleStreamBlock(hidden, 2)
+            self.single_block = flux_models.SingleStreamBlock(hidden, 2)
+
+    def enable_gradient_checkpointing(self, cpu_offload: bool = False):
+        for block in (getattr(self, "double_block", None), getattr(self, "single_block", None)):
+            if block is not None:
+                block.enable_gradient_checkpointing(cpu_offload)
 
     def get_mod_vectors(self, timesteps, guidance, batch_size):
         return None
@@ -127,10 +145,23 @@ class Flux(_Tiny):
     def prepare_block_swap_before_forward(self):
         pass
 
+    def _joint(self, img, img_ids, txt, txt_ids, timesteps, txt_attention_mask):
+        """The image tokens after the two blocks; positions as one angle per token and channel pair."""
+        ids = torch.cat((txt_ids, img_ids), dim=1).float()
+        pairs = torch.arange(1, img.shape[-1] // 4 + 1, dtype=torch.float32) / 4  # heads of 8 channels: 4 pairs
+        pe = (ids[..., 1:2] + 2.0 * ids[..., 2:3]) * pairs  # B, L, D/2
+        pe = pe[:, None]
+        vec = timesteps.float()[:, None].expand(-1, img.shape[-1]).to(img.dtype)
+        img, txt = self.double_block(img, self.txt_in(txt), vec, pe, txt_attention_mask)
+        x = self.single_block(torch.cat((txt, img), 1), vec, pe, txt_attention_mask)
+        return x[:, txt.shape[1] :]
+
     def forward(self, img, img_ids, txt, txt_ids, y, timesteps, guidance=None, txt_attention_mask=None, mod_vectors=None):
         assert img_ids.shape[:2] == img.shape[:2], "img_ids must have one row per packed image token"
         self.calls.append({"shape": tuple(img.shape), "t": timesteps.detach().clone(), "img_ids": img_ids.detach().clone()})
         scale = 1.0 + timesteps.float().view(-1, 1, 1)
+        if self.joint_attention:
+            img = self._joint(img, img_ids, txt, txt_ids, timesteps, txt_attention_mask)
         return self.proj(img) * scale + txt.mean() + y.mean()
 
 

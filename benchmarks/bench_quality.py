@@ -216,7 +216,9 @@ def concept_arms(concept: str, out: Path = OUT) -> dict[str, dict[str, Any] | No
 
     path = choice_path(concept, out)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no windows for {concept!r}; run: python benchmarks/bench_quality.py windows --concept {concept} --map MAP_JSON")
+        raise FileNotFoundError(
+            f"{path}: no windows for {concept!r}; run: python benchmarks/bench_quality.py windows --concept {concept} --map MAP_JSON"
+        )
     choice = json.loads(path.read_text())
     arms: dict[str, dict[str, Any] | None] = {"native": None, "default": read_plugin_toml(str(windows_path(concept, DEFAULT_MARGIN, out)))}
     if choice["other"] is not None:
@@ -262,7 +264,9 @@ def concept_steps(args: argparse.Namespace, concept: str) -> int:
         return args.steps
     path = pilot_path(Path(args.out), concept)
     if not path.is_file():
-        raise FileNotFoundError(f"{path}: no pilot decision for {concept!r}; run: python benchmarks/bench_quality.py pilot --concepts {concept}")
+        raise FileNotFoundError(
+            f"{path}: no pilot decision for {concept!r}; run: python benchmarks/bench_quality.py pilot --concepts {concept}"
+        )
     return int(json.loads(path.read_text())["steps"])
 
 
@@ -584,7 +588,10 @@ def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]],
     }  # fmt: skip
     for arm, table in tables.items():
         if windowless(table):
-            block["arms"][arm] = {"windowless": True, "note": "the map certified no window: the plugin is off and the arm is the native run"}
+            block["arms"][arm] = {
+                "windowless": True,
+                "note": "the map certified no window: the plugin is off and the arm is the native run",
+            }
             continue
         seeds = sorted(s for (a, s) in runs if a == arm and s in natives)
         if not seeds:
@@ -593,7 +600,9 @@ def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]],
         routed = [i for r in arm_runs for i in r["routed"]]
         entry: dict[str, Any] = {
             "seeds": seeds,
-            "code_revision": sorted({r["code"]["revision"] + (f"+{r['code']['uncommitted']}" if r["code"]["uncommitted"] else "") for r in arm_runs}),
+            "code_revision": sorted(
+                {r["code"]["revision"] + (f"+{r['code']['uncommitted']}" if r["code"]["uncommitted"] else "") for r in arm_runs}
+            ),
             "steps_routed": (sum(i >= 0 for i in routed) / len(routed)) if routed else 0.0,
             "flops_saved_per_step": flops_saved_per_step(arm_runs),
             "bands": bands(table),
@@ -729,7 +738,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concepts", default=",".join(CONCEPTS), help=f"comma-separated, of {', '.join(CONCEPTS)}")
     parser.add_argument("--concept", help="windows: the concept whose map is read")
     parser.add_argument("--map", help="windows: the concept map's map.json")
-    parser.add_argument("--schedule", default="flops", choices=("flops", "steps"), help="cosine over the FLOPs spent (primary) or over S steps (sensitivity, hatch)")
+    parser.add_argument(
+        "--schedule",
+        default="flops",
+        choices=("flops", "steps"),
+        help="cosine over the FLOPs spent (primary) or over S steps (sensitivity, hatch)",
+    )
     parser.add_argument("--arms", default="", help="study: only these arms (default: every arm of each concept)")
     parser.add_argument("--seeds", default="", help="study: only these seeds (default: the protocol's)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one process and one torch thread each (default 2)")
@@ -757,7 +771,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"windows needs --concept (one of {', '.join(CONCEPTS)}) and --map MAP_JSON")
     if args.schedule == "steps" and args.concept_list != [SENSITIVITY["concept"]]:
         problems.append(f"--schedule steps is the sensitivity analysis: --concepts {SENSITIVITY['concept']} only (PROTOCOL §1)")
-    problems += [f"--{k} must be >= 1" for k in ("points", "val_per_bucket", "val_draws", "samples", "rank", "jobs") if getattr(args, k) < 1]
+    problems += [
+        f"--{k} must be >= 1" for k in ("points", "val_per_bucket", "val_draws", "samples", "rank", "jobs") if getattr(args, k) < 1
+    ]
     if problems:
         parser.error("; ".join(problems))
     return args

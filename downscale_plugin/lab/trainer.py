@@ -419,7 +419,9 @@ def native_validation_losses(
     ``rows_per_forward``: the DiT runs a bucket's rows (crop × σ × draw) in chunks of this many (default:
     the whole bucket at once); on one CPU thread small chunks are faster (benchmarks/bench_quality.py)."""
     if draws < 1 or not sigmas or (rows_per_forward is not None and rows_per_forward < 1):
-        raise ValueError(f"native validation needs draws >= 1, at least one σ and rows_per_forward >= 1 (got {draws}, {sigmas}, {rows_per_forward})")
+        raise ValueError(
+            f"native validation needs draws >= 1, at least one σ and rows_per_forward >= 1 (got {draws}, {sigmas}, {rows_per_forward})"
+        )
     weights = {}
     if lora:
         params = dict(model.named_parameters())

@@ -1,41 +1,26 @@
-"""The same adapter, sooner? Time to quality of routed LoRA fine-tunes on a concept new to the base.
+"""The same adapter, sooner? Time to quality of routed LoRA fine-tunes on three concepts, as
+``docs/fidelity/quality/PROTOCOL.md`` (version 1) fixes it; the protocol is the specification.
 
-Task (``lab/concept.py``): the pretrained lab DiT learns the "hatched posters", a concept it never
-saw (low-frequency layout and palette, plus a hatch and marks at the native latent grid's Nyquist
-period that no smaller grid can hold), captioned with a new text class. Validation: held-out posters
-only, ``--val_per_bucket`` crops per lab bucket × the σ of ``--val_sigmas`` ×
-``--val_draws`` noise draws each, native grid; every item's loss is stored.
+Per concept (``lab.concept.task_data``) and seed, every arm is a twin of the native run
+(``hosts/lab/twin.py``) on the shipped multi-size base (``lab.base.load_base("multires")``), trained to
+one unit of the native twin's training FLOPs over S steps with the learning rate cosine over the FLOPs
+spent (``--schedule steps``: the sensitivity analysis, cosine over S steps), validated at 16 points per
+unit on held-out crops at every σ stratum (the protocol's nine plus the midpoint of each routed band
+that holds none), every item's loss stored; at the end, 8 samples (``lab/generate.py``) and their
+spectrum distance to the held-out images. Arms: ``native``, ``default`` (the concept map's windows at
+ε = 0.2), ``eps<X>`` (the other margin, chosen by ``windows``), ``seed_recipe``, ``all0.5``.
 
-Per seed, every arm is a twin of the native run (``hosts/lab/twin.py``: same adapter init, data
-order, σ draws and noise; a routed step gets the paired transform of the native draw), run to a
-compute budget in units of its native twin's training FLOPs over ``--steps`` steps (the project's
-FLOP model), validated when the FLOPs spent reach each 1/``--points`` of that unit. The learning
-rate follows the FLOPs spent (``--schedule cosine``, the default: to zero at one unit), so every arm
-stops at 1 unit and an arm that has not reached a target by then enters at 1 (a lower bound); under
-``--schedule constant`` routed arms run to 1.1 units.
+Subcommands (the lead runs them in this order):
 
-Read-offs per seed, from the monotone (non-increasing least-squares) fit of each validation curve:
-native's improvement is base − its fitted end (its plateau: the last quarter's share of the
-improvement is reported); an arm's time to q % quality is the FLOPs (and CPU seconds, one torch
-thread) at which its fit first reaches base − q × that improvement, as a ratio to native's own. Over
-seeds: the geometric-mean ratio with a paired 95 % t interval on the log-ratios (and a bootstrap
-check), the seeds that reached the target within the arm's budget (the others enter at their cap: a
-lower bound), and the arm − native difference at equal compute (0.5, 0.75, 1 × native FLOPs) and at
-equal steps against a margin of a tenth of native's improvement.
+    python benchmarks/bench_quality.py windows --concept hatch --map MAP_JSON   # windows/<concept>_eps<X>.toml + the other margin
+    python benchmarks/bench_quality.py pilot --concepts hatch,subject,style --jobs 2      # decides S per concept
+    python benchmarks/bench_quality.py study --concepts hatch,subject,style --jobs 2      # resumable
+    python benchmarks/bench_quality.py study --concepts hatch --schedule steps --jobs 2   # the sensitivity analysis
+    python benchmarks/bench_quality.py report                                            # aggregates what is stored
 
-Arms: ``native``; the concept map's windows at ε = 0.05 … 0.3 (``docs/fidelity/quality/
-windows_eps*.toml``, re-derived from ``docs/fidelity/lab_concept_n64_d8_n16/map.json`` with the
-family-wise read; ε = 0.05 certifies no window, so that arm is the native run and is not run);
-``seed_recipe`` (the seed paper's uncertified stacked routes); ``all0.5`` (every step at half the
-grid: the positive control, which must show the loss).
-
-Runs are resumable (one JSON per (arm, seed) under OUT/runs) and each records the code revision and
-the uncommitted change of the files a run's figures depend on (``STUDY_PATHS``); a stored run whose
-figures could differ at the current code is stale and refused. The study:
-
-    python benchmarks/bench_quality.py --jobs 2 --out docs/fidelity/quality
-
-``--report`` only aggregates. Smoke (~2 min): ``--quick --seeds 0 --steps 8 --points 4 --arms native,all0.5 --out /tmp/q``.
+Every run records its code revision and the protocol's; a code revision that does not descend from
+the protocol's is refused, and so is a stored run whose study files changed since (``STUDY_PATHS``).
+Version 0 (the hatched posters alone) is kept as run: ``docs/fidelity/quality/v0_hatch/README.md``.
 """
 
 from __future__ import annotations
@@ -43,43 +28,38 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import math
 import os
-import statistics
 import subprocess
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parent.parent
-WINDOWS = ROOT / "docs" / "fidelity" / "quality"
+sys.path.insert(0, str(ROOT))  # this checkout's package, for the workers too
+OUT = ROOT / "docs" / "fidelity" / "quality"
+PROTOCOL = "docs/fidelity/quality/PROTOCOL.md"
 
-
-@dataclass(frozen=True)
-class ArmSpec:
-    budget: float  # native-twin FLOP units the arm trains for
-    describe: str
-
-
-EPS = ("0.05", "0.1", "0.2", "0.3")
-ARMS = {
-    "native": ArmSpec(1.0, "native: no plugin"),
-    **{f"eps{e}": ArmSpec(1.1, f"the concept map's windows at ε = {e}") for e in EPS},
-    "seed_recipe": ArmSpec(1.1, "the seed paper's stacked recipe, uncertified (0.75 in 0.65 < σ < 0.95, 0.875 above σ 0.5)"),
-    "all0.5": ArmSpec(1.0, "every step at half the grid (positive control)"),
-}
-DEFAULT_ARMS = ("native", "eps0.05", "eps0.1", "eps0.2", "seed_recipe", "all0.5")
-VAL_SIGMAS = "0.1,0.6"  # low σ (the concept's detail) weighed like the mid σ, where most of the gain and the control's loss are
+CONCEPTS = {"hatch": "fine_detail", "subject": "subject", "style": "style"}  # PROTOCOL §2, in its order: name → task.kind
+FIXED_SIGMAS = (0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.85, 0.925, 0.975)  # PROTOCOL §3
+DEFAULT_MARGIN = 0.2
+OTHER_MARGINS = ((0.3, 0.4, 0.5), (0.1, 0.05))  # PROTOCOL §4: the first that routes another share, wider first
+SEEDS = tuple(range(16))
+CONTROL_SEEDS = tuple(range(8))
+PILOT_SEEDS = (100, 101)
+PILOT_STEPS = (400, 800)
+PILOT_MIN_GAIN, PILOT_MAX_LAST_QUARTER = 0.05, 0.10
+SENSITIVITY = {"concept": "hatch", "arms": ("native", "default"), "seeds": tuple(range(8))}
 CONTROL = "all0.5"
-QUALITY_LEVELS = (0.75, 0.9, 1.0)
-EQUAL_COMPUTE = (0.5, 0.75, 1.0)
-MARGIN_SHARE = 0.1  # the non-inferiority margin: a tenth of native's improvement
-# The break-even extrapolation's production setting: Flux at 1 024 px (4 096 image tokens, 512 text tokens),
-# and the share of the FLOP model's per-step saving realized in time there: SD3 at 512 px on sd-scripts'
-# own classes realized 0.96 and 0.97 of it (benchmarks/RESULTS.md, "Production width", run 5).
-PRODUCTION_ARCH, PRODUCTION_TOKENS, REALIZED = "flux", 4096, 0.96
+QUALITY = 0.9
+MARGIN_SHARE = 0.1  # δ = this × mean native G
+REPS, BOOT_SEED = 2000, 0
+NATIVE_LATENT = (64, 64)  # the native size 256 × 256 px at the codec's 4 px per cell
+SAMPLE_SEEDS, SAMPLE_STEPS = tuple(range(8)), 24
+REFERENCE_CROPS = 16  # held-out crops at the native size for the reference spectrum
+ROWS_PER_FORWARD = 4  # validation: bitwise the whole-bucket forward, ~15 % less CPU at one thread
+SEED_RECIPE = [{"route": "256:192", "sigma_min": 0.65, "sigma_max": 0.95}, {"route": "256:224", "sigma_min": 0.5}]
+ALL_HALF = [{"route": "256:128", "sigma_min": 0.0}]
 # What a run's figures depend on besides its settings and its arm's table: a change here makes stored runs stale.
 STUDY_PATHS = (
     "downscale_plugin/lab",
@@ -97,29 +77,7 @@ STUDY_PATHS = (
 )
 
 
-def windowless(name: str) -> bool:
-    """Whether an ε arm's map certified no window at all (its file says ``enable = false``): such an arm
-    is the native run, so the study records that instead of training it again."""
-    return name.startswith("eps") and arm_table(name).get("enable") is False
-
-
-def arm_table(name: str) -> dict[str, Any] | None:
-    """The plugin table of an arm (None: native)."""
-    from downscale_plugin.config import read_plugin_toml
-    from downscale_plugin.hosts.lab.demo import DEMO_ROUTES
-
-    if name == "native":
-        return None
-    if name.startswith("eps") and name.removeprefix("eps") in EPS:
-        return read_plugin_toml(str(WINDOWS / f"windows_{name}.toml"))
-    if name == "seed_recipe":
-        return {"routes": list(DEMO_ROUTES)}
-    if name == CONTROL:
-        return {"routes": [{"route": "256:128", "sigma_min": 0.0}]}
-    raise ValueError(f"arm: {name!r} is not an arm of the study (allowed: {', '.join(ARMS)})")
-
-
-# ---- code revision ----
+# ---- revisions ----
 
 
 def _git(*args: str) -> str | None:
@@ -127,6 +85,23 @@ def _git(*args: str) -> str | None:
         return subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=True).stdout
     except (OSError, subprocess.CalledProcessError):
         return None
+
+
+def protocol_revision() -> str | None:
+    """The commit that last changed PROTOCOL.md."""
+    out = _git("log", "-1", "--format=%H", "--", PROTOCOL)
+    return out.strip() or None if out else None
+
+
+def descends_from_protocol(revision: str | None) -> bool:
+    """Whether ``revision`` has the protocol's commit among its ancestors (or is it)."""
+    protocol = protocol_revision()
+    if not revision or not protocol:
+        return False
+    try:
+        return subprocess.run(["git", "merge-base", "--is-ancestor", protocol, revision], cwd=ROOT, capture_output=True).returncode == 0
+    except OSError:
+        return False
 
 
 def code_state() -> dict[str, str | None]:
@@ -139,10 +114,12 @@ def code_state() -> dict[str, str | None]:
 
 
 def stale_reason(run: dict[str, Any], now: dict[str, str | None]) -> str | None:
-    """Why a stored run's figures could differ at the current code (None: it is current)."""
+    """Why a stored run cannot be reused at the current code (None: it can)."""
     then = run.get("code")
     if not then or not then.get("revision"):
         return "it records no code revision"
+    if not descends_from_protocol(then["revision"]):
+        return f"its code revision {then['revision'][:12]} does not descend from the protocol's ({(protocol_revision() or '?')[:12]})"
     if then["uncommitted"] != now["uncommitted"]:
         return f"it ran with another uncommitted change to the study's files ({then['uncommitted'] or 'none'})"
     if then["revision"] == now["revision"]:
@@ -153,400 +130,354 @@ def stale_reason(run: dict[str, Any], now: dict[str, str | None]) -> str | None:
     return f"the study's files changed since {then['revision'][:12]}: {', '.join(changed.split())}" if changed.strip() else None
 
 
+# ---- windows, the other margin, strata and weights ----
+
+
+def training_law():
+    """The lab trainer's σ sampler as a law (``hosts/lab/sampler.py``, the trainer's own args)."""
+    from downscale_plugin.hosts.lab.sampler import lab_sampler
+    from downscale_plugin.lab.trainer import lab_args
+
+    return lab_sampler(lab_args())
+
+
+def law_mass(lo: float, hi: float) -> float:
+    return training_law().mass(lo, hi, NATIVE_LATENT)
+
+
+def bands(table: dict[str, Any] | None) -> list[tuple[float, float]]:
+    """The σ bands (lo, hi] an arm's table routes (hi = 1 for an open window)."""
+    from downscale_plugin.config import load_config
+
+    if not table or table.get("enable") is False:
+        return []
+    return [(r.sigma_min, 1.0 if r.sigma_max is None else r.sigma_max) for r in load_config(plugin_toml=table).routes]
+
+
+def routed_share(table: dict[str, Any] | None) -> float:
+    """The training σ law's mass on the union of an arm's bands: the share of steps it routes (every lab
+    bucket lies in the windows' tier, so a window applies to every step whose σ falls in it)."""
+    merged: list[list[float]] = []
+    for lo, hi in sorted(bands(table)):
+        if merged and lo <= merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], hi)
+        else:
+            merged.append([lo, hi])
+    return sum(law_mass(lo, hi) for lo, hi in merged)
+
+
+def other_margin(shares: dict[float, float]) -> float | None:
+    """PROTOCOL §4: the first of 0.3, 0.4, 0.5 whose share differs from ε = 0.2's, else the first of 0.1, 0.05; None if none does."""
+    for group in OTHER_MARGINS:
+        for eps in group:
+            if abs(shares[eps] - shares[DEFAULT_MARGIN]) > 1e-12:
+                return eps
+    return None
+
+
+def windows_path(concept: str, eps: float, out: Path = OUT) -> Path:
+    return out / "windows" / f"{concept}_eps{eps:g}.toml"
+
+
+def choice_path(concept: str, out: Path = OUT) -> Path:
+    return out / "windows" / f"{concept}.json"
+
+
+def derive_windows(concept: str, map_json: Path, out: Path = OUT) -> dict[str, Any]:
+    """Re-read a concept map at ε = 0.2 and the candidate other margins (the map command's own read and
+    windows writer), apply the other-margin rule, and store the windows of 0.2 and the chosen margin and
+    the choice (``windows/<concept>.json``)."""
+    import toml
+
+    from downscale_plugin.mapping.estimator import MapResult
+    from downscale_plugin.mapping.windows import windows_toml
+
+    blob = json.loads(map_json.read_text())
+    texts, shares = {}, {}
+    for eps in (DEFAULT_MARGIN, *OTHER_MARGINS[0], *OTHER_MARGINS[1]):
+        result = MapResult.from_json(blob, margin=eps)
+        command = f"python benchmarks/bench_quality.py windows --concept {concept} --map {map_json}"
+        texts[eps] = windows_toml(result, f"{result.provenance.get('command', '?')}; re-derived at ε = {eps:g}: {command}")
+        shares[eps] = routed_share(toml.loads(texts[eps]))
+    other = other_margin(shares)
+    (out / "windows").mkdir(parents=True, exist_ok=True)
+    for eps in (DEFAULT_MARGIN,) if other is None else (DEFAULT_MARGIN, other):
+        windows_path(concept, eps, out).write_text(texts[eps])
+    choice = {"concept": concept, "map": str(map_json), "default": DEFAULT_MARGIN, "other": other,
+              "routed_share": {f"{e:g}": s for e, s in shares.items()},
+              "note": None if other is not None else "no other margin routes another share: the eps arm is not run (PROTOCOL §4)"}  # fmt: skip
+    choice_path(concept, out).write_text(json.dumps(choice, indent=1) + "\n")
+    return choice
+
+
+def concept_arms(concept: str, out: Path = OUT) -> dict[str, dict[str, Any] | None]:
+    """The concept's arms in the protocol's order, each with its plugin table (None: native)."""
+    from downscale_plugin.config import read_plugin_toml
+
+    path = choice_path(concept, out)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no windows for {concept!r}; run: python benchmarks/bench_quality.py windows --concept {concept} --map MAP_JSON"
+        )
+    choice = json.loads(path.read_text())
+    arms: dict[str, dict[str, Any] | None] = {"native": None, "default": read_plugin_toml(str(windows_path(concept, DEFAULT_MARGIN, out)))}
+    if choice["other"] is not None:
+        arms[f"eps{choice['other']:g}"] = read_plugin_toml(str(windows_path(concept, choice["other"], out)))
+    arms["seed_recipe"] = {"routes": list(SEED_RECIPE)}
+    arms[CONTROL] = {"routes": list(ALL_HALF)}
+    return arms
+
+
+def windowless(table: dict[str, Any] | None) -> bool:
+    """An arm whose map certified no window (``enable = false``) is the native run: recorded, not trained."""
+    return table is not None and table.get("enable") is False
+
+
+def concept_sigmas(arms: dict[str, dict[str, Any] | None]) -> list[float]:
+    from downscale_plugin.quality import strata_sigmas
+
+    return strata_sigmas(FIXED_SIGMAS, [b for table in arms.values() for b in bands(table)])
+
+
+def training_law_weights(sigmas: list[float]) -> list[float]:
+    """PROTOCOL §3's L̄ weights: the lab trainer's σ law's mass on each stratum's cell."""
+    from downscale_plugin.quality import stratum_weights
+
+    law = training_law()
+    return stratum_weights(sigmas, lambda x: law.cdf(x, NATIVE_LATENT))
+
+
+# ---- settings, paths, order ----
+
+
+def arm_seeds(arm: str) -> tuple[int, ...]:
+    return CONTROL_SEEDS if arm == CONTROL else SEEDS
+
+
+def pilot_path(out: Path, concept: str) -> Path:
+    return out / "pilot" / f"{concept}.json"
+
+
+def concept_steps(args: argparse.Namespace, concept: str) -> int:
+    """S: ``--steps`` (smoke runs) or the pilot's decision."""
+    if args.steps:
+        return args.steps
+    path = pilot_path(Path(args.out), concept)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no pilot decision for {concept!r}; run: python benchmarks/bench_quality.py pilot --concepts {concept}"
+        )
+    return int(json.loads(path.read_text())["steps"])
+
+
+def settings_of(args: argparse.Namespace, concept: str, steps: int, sigmas: list[float], schedule: str) -> dict[str, Any]:
+    """What a run's figures depend on besides the code and its table: a stored run is reused only under the same."""
+    return {"concept": concept, "steps": steps, "schedule": schedule, "sigmas": sigmas, "rank": args.rank, "lr": args.lr,
+            "batch_size": 1, "points": args.points, "val_per_bucket": args.val_per_bucket, "val_draws": args.val_draws,
+            "val_seed": 0, "base": "quick" if args.quick else "multires", "samples": args.samples}  # fmt: skip
+
+
+def run_path(out: Path, concept: str, arm: str, seed: int, schedule: str = "flops", steps: int | None = None) -> Path:
+    if steps is not None:  # a pilot run
+        return out / "pilot" / concept / f"native_s{seed}_S{steps}.json"
+    folder = out / "runs" / concept if schedule == "flops" else out / "runs" / f"{concept}_steps"
+    return folder / f"{arm}_s{seed}.json"
+
+
+def study_order(concepts: list[str], arms_of: dict[str, list[str]], seeds: tuple[int, ...] = SEEDS) -> list[tuple[str, str, int]]:
+    """PROTOCOL §7: seeds ascending; within a seed, concepts then arms in the protocol's order."""
+    return [(c, a, s) for s in seeds for c in concepts for a in arms_of[c] if s in arm_seeds(a)]
+
+
 # ---- one run ----
 
 
-def settings_of(args: argparse.Namespace) -> dict[str, Any]:
-    """What a run's figures depend on besides the code: a stored run is reused only under the same settings."""
-    keys = ("task", "steps", "rank", "lr", "schedule", "batch_size", "points", "val_per_bucket", "val_draws", "val_seed", "quick")
-    return {**{k: getattr(args, k) for k in keys}, "val_sigmas": list(val_sigmas(args))}
-
-
-def val_sigmas(args: argparse.Namespace) -> tuple[float, ...]:
-    return tuple(float(s) for s in args.val_sigmas.split(","))
-
-
-def budget_of(arm: str, args: argparse.Namespace) -> float:
-    """The arm's budget in native FLOP units: under the cosine schedule the learning rate is zero from
-    1 on, so every arm stops there."""
-    return min(ARMS[arm].budget, 1.0) if args.schedule == "cosine" else ARMS[arm].budget
-
-
-def run_path(out: Path, arm: str, seed: int) -> Path:
-    return out / "runs" / f"{arm}_s{seed}.json"
-
-
 class Lab:
-    """What every run of a worker shares: the pretrained lab DiT, the concept data and its held-out set."""
+    """What a worker's runs of one concept share: the base, the concept's data, its validation set and
+    the base model's items (a fresh adapter's ΔW is zero: every run's first point), its reference spectrum."""
 
-    def __init__(self, args: argparse.Namespace) -> None:
+    def __init__(self, concept: str, sigmas: list[float], args: argparse.Namespace) -> None:
+        import numpy as np
+
         from downscale_plugin.flops import FlopModel
         from downscale_plugin.lab.concept import task_data
         from downscale_plugin.lab.data import LabData, LabDataConfig
+        from downscale_plugin.lab.generate import reference_spectrum
         from downscale_plugin.lab.model import LabModelConfig, flop_shape
-        from downscale_plugin.lab.pretrain import load_or_pretrain
+
+        if args.quick:
+            from downscale_plugin.lab.pretrain import load_or_pretrain
+
+            self.model_cfg = LabModelConfig()
+            base = LabData(LabDataConfig(latent_channels=self.model_cfg.latent_channels))
+            self.model = load_or_pretrain(self.model_cfg, quick=True, progress=False, data=base)
+        else:
+            from downscale_plugin.lab.base import load_base
+
+            self.model = load_base("multires")
+            self.model_cfg = self.model.cfg
+            base = LabData(LabDataConfig(latent_channels=self.model_cfg.latent_channels))
+        self.data = task_data(concept, base)
+        self.flop_model = FlopModel(*flop_shape(self.model_cfg))
+        self.val_set = self.data.validation_set(per_bucket=args.val_per_bucket, seed=0)
+        self.sigmas, self.draws = tuple(sigmas), args.val_draws
+        self.base_items = self.losses(None)
+        crops = self.data.validation_source.crops(np.random.default_rng([0, 0x5EC7]), (4 * NATIVE_LATENT[0], 4 * NATIVE_LATENT[1]),
+                                                  REFERENCE_CROPS, pixels=True)  # fmt: skip
+        self.reference = reference_spectrum(crops["pixels"], self.data.codec)
+        self.class_id = int(self.data.train.class_ids[0])
+
+    def losses(self, deltas: dict | None):
         from downscale_plugin.lab.trainer import native_validation_losses
 
-        self.model_cfg = LabModelConfig()
-        base = LabData(LabDataConfig(latent_channels=self.model_cfg.latent_channels))
-        self.model = load_or_pretrain(self.model_cfg, quick=args.quick, progress=False, data=base)
-        self.data = task_data(args.task, base)
-        self.flop_model = FlopModel(*flop_shape(self.model_cfg))
-        val_set = self.data.validation_set(per_bucket=args.val_per_bucket, seed=args.val_seed)
-        sigmas = val_sigmas(args)
-        self.base_items = native_validation_losses(self.model, None, val_set, args.val_seed, sigmas, args.val_draws)
-        # a fresh adapter's ΔW is zero (lora_B starts at 0): every run's first point is the base model's
-        self.validate = lambda deltas: (
-            self.base_items.clone() if all(not d.any() for d in deltas.values())
-            else native_validation_losses(self.model, deltas, val_set, args.val_seed, sigmas, args.val_draws)
-        )  # fmt: skip
+        return native_validation_losses(self.model, deltas, self.val_set, 0, self.sigmas, self.draws, rows_per_forward=ROWS_PER_FORWARD)
+
+    def validate(self, deltas: dict):
+        return self.base_items.clone() if all(not d.any() for d in deltas.values()) else self.losses(deltas)
 
 
-def run_one(arm: str, seed: int, args: argparse.Namespace, lab: Lab) -> dict[str, Any]:
-    """One twin fine-tune to its arm's budget; returns the run's JSON blob."""
+def run_one(lab: Lab, arm: str, table: dict[str, Any] | None, seed: int, settings: dict[str, Any], samples: int) -> dict[str, Any]:
+    """One twin fine-tune to one unit of native FLOPs (or S steps under the steps schedule), validated on
+    the FLOP grid, with its samples' spectrum distances at the end."""
     import torch
 
     from downscale_plugin.config import load_config
     from downscale_plugin.hosts.lab.adapter import LabPlugin
-    from downscale_plugin.hosts.lab.twin import SCHEDULES, run_to_budget
+    from downscale_plugin.hosts.lab.twin import cosine_decay, run_to_budget
+    from downscale_plugin.lab.generate import sample_latents, spectrum_distances
 
-    table = arm_table(arm)
-    plugin = None if table is None else LabPlugin.for_lab(load_config(plugin_toml=table), lab.model_cfg, lab.data, args.batch_size)
+    plugin = None if table is None else LabPlugin.for_lab(load_config(plugin_toml=table), lab.model_cfg, lab.data, 1)
+    steps, by_steps = settings["steps"], settings["schedule"] == "steps"
+    val_cpu = [0.0]
+
+    def validate(deltas: dict):
+        t0 = time.process_time()
+        out = lab.validate(deltas)
+        val_cpu[0] += time.process_time() - t0
+        return out
+
     cpu_start = time.process_time()
     run = run_to_budget(
-        lab.model, lab.data, plugin, seed=seed, native_steps=args.steps, budget=budget_of(arm, args), points=args.points,
-        lr=args.lr, rank=args.rank, validate=lab.validate, flop_model=lab.flop_model, batch_size=args.batch_size,
-        schedule=SCHEDULES[args.schedule],
+        lab.model, lab.data, plugin, seed=seed, native_steps=steps, budget=1.0, points=settings["points"], lr=settings["lr"],
+        rank=settings["rank"], validate=validate, flop_model=lab.flop_model, schedule=cosine_decay,
+        step_budget=steps if by_steps else None,
     )  # fmt: skip
+    t0 = time.process_time()
+    latents = sample_latents(lab.model, run.deltas, lab.class_id, list(SAMPLE_SEEDS[:samples]), NATIVE_LATENT, SAMPLE_STEPS)
+    distances = spectrum_distances(lab.data.codec.decode(latents), lab.reference)
+    sample_cpu = time.process_time() - t0
+    shape = list(lab.base_items.shape)  # [crops, strata, draws]
+    weights = training_law_weights(list(lab.sigmas))
+    curve = []
+    for s, f, c, items in zip(run.steps, run.flops, run.seconds, run.items, strict=True):
+        per_stratum = torch.tensor(items).reshape(shape).mean(dim=(0, 2)).tolist()
+        curve.append({"step": s, "flops": f, "cpu_s": c, "lbar": sum(w * v for w, v in zip(weights, per_stratum, strict=True)),
+                      "strata": per_stratum})  # fmt: skip
     return {
-        "arm": arm,
-        "seed": seed,
-        "settings": settings_of(args),
-        "code": code_state(),
-        "table": table,
-        "budget": budget_of(arm, args),
-        "threads": torch.get_num_threads(),
-        "native_flops": run.native_flops,
-        "curve": [
-            {"step": s, "flops": f, "cpu_s": c, "val": v} for s, f, c, v in zip(run.steps, run.flops, run.seconds, run.val, strict=True)
-        ],
-        "items": run.items,
-        "tokens_run": run.tokens_run,
-        "step_cpu_s": [round(t, 5) for t in run.step_seconds],
+        "concept": settings["concept"], "arm": arm, "seed": seed, "settings": settings,
+        "code": code_state(), "protocol_revision": protocol_revision(), "table": table,
+        "threads": torch.get_num_threads(), "native_flops": run.native_flops,
+        "weights": weights, "items_shape": shape, "curve": curve, "items": run.items,
+        "tokens_run": run.tokens_run, "step_cpu_s": [round(t, 5) for t in run.step_seconds],
         "routed": [] if plugin is None else [t.rule_index for t in plugin.trace],
-        "cpu_s_total": time.process_time() - cpu_start,  # training, validation and bookkeeping
-    }
+        "samples": {"noise_seeds": list(SAMPLE_SEEDS[:samples]), "steps": SAMPLE_STEPS, "spectrum_distance": distances},
+        "cpu_s": {"total": time.process_time() - cpu_start, "validation": val_cpu[0], "samples": sample_cpu},
+    }  # fmt: skip
 
 
-# ---- aggregation ----
+# ---- jobs ----
 
 
-def _fit(run: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
-    from downscale_plugin.quality import monotone_fit
-
-    return [p[key] for p in run["curve"]], monotone_fit([p["val"] for p in run["curve"]])
-
-
-def time_to(run: dict[str, Any], key: str, target: float) -> float | None:
-    from downscale_plugin.quality import first_reach
-
-    return first_reach(*_fit(run, key), target)
-
-
-def _raw(run: dict[str, Any], key: str) -> tuple[list[float], list[float]]:
-    return [p[key] for p in run["curve"]], [p["val"] for p in run["curve"]]
-
-
-def native_facts(native: dict[str, Any]) -> dict[str, float]:
-    """A native run's base, plateau (its fitted end), improvement and the last quarter's share of it."""
-    from downscale_plugin.quality import value_at
-
-    xs, fit = _fit(native, "flops")
-    base, plateau = native["curve"][0]["val"], fit[-1]
-    at_three_quarters = value_at(xs, fit, 0.75 * xs[-1])
-    gain = base - plateau
-    return {
-        "base": base,
-        "plateau": plateau,
-        "gain": gain,
-        "last_quarter_share": (at_three_quarters - plateau) / gain if gain > 0 else math.nan,
-    }
+def planned_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
+    """Every run this command asks for, in the protocol's order, each with its settings and table
+    (windowless arms left out: they are the native run)."""
+    jobs = []
+    if args.command == "pilot":
+        for seed in PILOT_SEEDS:
+            for concept in args.concept_list:
+                sigmas = concept_sigmas(concept_arms(concept, Path(args.windows)))
+                for steps in pilot_steps_needed(args, concept):
+                    jobs.append({"concept": concept, "arm": "native", "seed": seed, "table": None, "pilot_steps": steps,
+                                 "settings": settings_of(args, concept, steps, sigmas, "flops")})  # fmt: skip
+        return jobs
+    arms_of, tables, settings = {}, {}, {}
+    for concept in args.concept_list:
+        tables[concept] = concept_arms(concept, Path(args.windows))
+        names = [a for a in tables[concept] if not windowless(tables[concept][a])]
+        if args.schedule == "steps":
+            names = [a for a in names if a in SENSITIVITY["arms"]]
+        arms_of[concept] = [a for a in names if a in args.arm_list] if args.arm_list else names
+        settings[concept] = settings_of(args, concept, concept_steps(args, concept), concept_sigmas(tables[concept]), args.schedule)
+    seeds = tuple(s for s in (SENSITIVITY["seeds"] if args.schedule == "steps" else SEEDS) if not args.seed_list or s in args.seed_list)
+    for concept, arm, seed in study_order(args.concept_list, arms_of, seeds):
+        jobs.append({"concept": concept, "arm": arm, "seed": seed, "table": tables[concept][arm], "pilot_steps": None,
+                     "settings": settings[concept]})  # fmt: skip
+    return jobs
 
 
-def validation_error(native: dict[str, Any]) -> float:
-    """Standard error of native's improvement due to the validation set itself: the items' paired
-    (end − start) differences, averaged per crop over its σ and draws, spread over crops."""
-    first, last = native["items"][0], native["items"][-1]
-    per_crop = len(native["settings"]["val_sigmas"]) * native["settings"]["val_draws"]
-    crops = [statistics.fmean(a - b for a, b in zip(first[i : i + per_crop], last[i : i + per_crop], strict=True))
-             for i in range(0, len(first), per_crop)]  # fmt: skip
-    return statistics.stdev(crops) / math.sqrt(len(crops))
+def pilot_steps_needed(args: argparse.Namespace, concept: str) -> list[int]:
+    """400 first; 800 once a stored 400-step pilot fails the criterion."""
+    out = Path(args.out)
+    first = [json.loads(p.read_text()) for s in PILOT_SEEDS if (p := run_path(out, concept, "native", s, steps=PILOT_STEPS[0])).is_file()]
+    if len(first) == len(PILOT_SEEDS) and not pilot_criterion(first)["met"]:
+        return list(PILOT_STEPS)
+    return [PILOT_STEPS[0]]
 
 
-def summarize(runs: dict[tuple[str, int], dict[str, Any]], arms: list[str]) -> dict[str, Any]:
-    """Per arm, paired against the same seed's native twin (seeds that have both)."""
-    from downscale_plugin.quality import paired_interval, ratio_interval, value_at
+def pilot_criterion(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """PROTOCOL §1: on every pilot seed, native's improvement of L̄ ≥ 5 % of the base's and its last quarter < 10 % of it."""
+    from downscale_plugin.quality import native_gain
 
-    natives = {s: r for (a, s), r in runs.items() if a == "native"}
-    facts = {s: native_facts(r) for s, r in natives.items()}
-    out: dict[str, Any] = {"arms": {}, "windowless": {}}
-    if natives:
-        out["base_val"] = statistics.fmean(f["base"] for f in facts.values())
-        out["native_gain"] = statistics.fmean(f["gain"] for f in facts.values())
-        out["native_gain_fraction"] = statistics.fmean(f["gain"] / f["base"] for f in facts.values())
-        out["native_last_quarter_share"] = {"mean": statistics.fmean(f["last_quarter_share"] for f in facts.values()),
-                                            "max": max(f["last_quarter_share"] for f in facts.values())}  # fmt: skip
-        out["validation_se_of_gain"] = statistics.fmean(validation_error(r) for r in natives.values())
-        out["seed_sd_of_gain"] = statistics.stdev(f["gain"] for f in facts.values()) if len(facts) > 1 else None
-    for arm in arms:
-        if windowless(arm):
-            out["windowless"][arm] = f"{ARMS[arm].describe}: the map certified none, so the plugin is off and the arm is the native run"
+    facts = native_gain(curves(runs), runs[0]["weights"])
+    per_seed = [{"seed": r["seed"], "gain_fraction": float(g), "last_quarter_fraction": float(q)}
+                for r, g, q in zip(runs, facts["gain_fraction"], facts["last_quarter_fraction"], strict=True)]  # fmt: skip
+    met = all(p["gain_fraction"] >= PILOT_MIN_GAIN and p["last_quarter_fraction"] < PILOT_MAX_LAST_QUARTER for p in per_seed)
+    return {"met": met, "seeds": per_seed}
+
+
+def refusals(args: argparse.Namespace, jobs: list[dict[str, Any]]) -> list[str]:
+    """Stored runs among ``jobs`` that cannot be reused here, each with why."""
+    now, out, problems = code_state(), Path(args.out), []
+    for job in jobs:
+        path = run_path(out, job["concept"], job["arm"], job["seed"], job["settings"]["schedule"], job["pilot_steps"])
+        if not path.is_file():
             continue
-        seeds = sorted(s for (a, s) in runs if a == arm and s in natives)
-        if not seeds:
-            continue
-        entry: dict[str, Any] = {"seeds": len(seeds), "seed_list": seeds, "describe": ARMS[arm].describe}
-        rs = [runs[arm, s] for s in seeds]
-        entry["budget"] = rs[0].get("budget", ARMS[arm].budget)
-        n_steps = rs[0]["settings"]["steps"]
-        entry["routed_share"] = statistics.fmean(sum(i >= 0 for i in r["routed"]) / len(r["routed"]) if r["routed"] else 0.0 for r in rs)
-        entry["flop_saving_per_step"] = statistics.fmean(
-            1 - r["curve"][-1]["flops"] / (r["native_flops"] * len(r["tokens_run"]) / n_steps) for r in rs
-        )
-        entry["time_to_quality"] = {}
-        for key, name in (("flops", "flops"), ("cpu_s", "cpu"), ("step", "steps")):
-            per_level = {}
-            for q in QUALITY_LEVELS:
-                ratios, reached = [], []
-                for s in seeds:
-                    target = facts[s]["base"] - q * facts[s]["gain"]
-                    native_t = time_to(natives[s], key, target)
-                    t = time_to(runs[arm, s], key, target)
-                    cap = runs[arm, s]["curve"][-1][key]
-                    reached.append(t is not None)
-                    ratios.append((t if t is not None else cap) / native_t)
-                per_level[f"{round(100 * q)}"] = {**ratio_interval(ratios, reached).as_dict(), "per_seed": ratios}
-            entry["time_to_quality"][name] = {**per_level["90"], "levels": per_level}
-        entry["equal_compute"] = {}
-        margin = MARGIN_SHARE * out["native_gain"]
-        for frac in EQUAL_COMPUTE:
-            diffs = []
-            for s in seeds:
-                x = frac * natives[s]["native_flops"]
-                a, b = value_at(*_raw(runs[arm, s], "flops"), x), value_at(*_raw(natives[s], "flops"), x)
-                if a is not None and b is not None:
-                    diffs.append(a - b)
-            if diffs:
-                iv = paired_interval(diffs)
-                entry["equal_compute"][f"{frac:g}"] = {**iv.as_dict(), "n": iv.n, "margin": margin,
-                                                      "non_inferior": iv.hi is not None and iv.hi < margin}  # fmt: skip
-        diffs = [value_at(*_raw(runs[arm, s], "step"), n_steps) - value_at(*_raw(natives[s], "step"), n_steps) for s in seeds]
-        entry["equal_steps"] = {**paired_interval(diffs).as_dict(), "margin": margin}
-        cpu_ratio = [
-            (runs[arm, s]["curve"][-1]["cpu_s"] / len(runs[arm, s]["tokens_run"])) / (natives[s]["curve"][-1]["cpu_s"] / len(natives[s]["tokens_run"]))
-            for s in seeds
-        ]  # fmt: skip
-        entry["cpu_per_step_vs_native"] = statistics.fmean(cpu_ratio)
-        entry["production"] = production_extrapolation(rs, entry["time_to_quality"]["steps"])
-        out["arms"][arm] = entry
-    return out
-
-
-def production_extrapolation(runs: list[dict[str, Any]], steps_to_90: dict[str, Any]) -> dict[str, Any]:
-    """The arm's time to 90 % quality on a production model, extrapolated: the lab's steps-to-target
-    ratio (the inverse of its per-step teaching efficiency) × the per-step time ratio its routes would
-    have on Flux at 1 024 px (the FLOP model's cost of each route's grid, its realized share of the
-    predicted saving taken as ``REALIZED``). Assumes the lab's teaching efficiency and routed shares
-    transfer, which is what a user must check on their own model."""
-    from downscale_plugin.arch import get_arch
-    from downscale_plugin.config import load_config
-
-    cost = get_arch(PRODUCTION_ARCH).flops.flops
-    native = cost(PRODUCTION_TOKENS)
-    shares: dict[float, float] = {}
-    for run in runs:
-        ratios = [rule.ratio for rule in load_config(plugin_toml=run["table"]).routes] if run["table"] else []
-        for index in run["routed"]:
-            if index >= 0:
-                shares[ratios[index]] = shares.get(ratios[index], 0.0) + 1 / len(run["routed"]) / len(runs)
-    saving = sum(share * (1 - cost(PRODUCTION_TOKENS * ratio**2) / native) for ratio, share in shares.items())
-    out = {"flop_saving_per_step": saving, "realized_share": REALIZED, "time_ratio": {}}
-    for name, realized in (("flop_model", 1.0), ("realized", REALIZED)):
-        per_step = 1 - saving * realized
-        out["time_ratio"][name] = {k: (None if steps_to_90[k] is None else steps_to_90[k] * per_step) for k in ("ratio", "lo", "hi")}
-    return out
-
-
-def _ratio(d: dict[str, Any]) -> str:
-    if d["lo"] is None:
-        return f"{d['ratio']:.2f}"
-    cens = "" if d["reached"] == d["seeds"] else " (≥: some capped)"
-    return f"{d['ratio']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]{cens}"
-
-
-def _iv(d: dict[str, Any] | None) -> str:
-    if not d:
-        return "not reached"
-    if d["lo"] is None:
-        return f"{d['mean']:+.4f}"
-    return f"{d['mean']:+.4f} [{d['lo']:+.4f}, {d['hi']:+.4f}]"
-
-
-def report(summary: dict[str, Any], header: str) -> str:
-    lines = [header, ""]
-    if "native_gain" in summary:
-        lq = summary["native_last_quarter_share"]
-        lines += [
-            f"base model {summary['base_val']:.4f}; native improvement {summary['native_gain']:.4f} "
-            f"({100 * summary['native_gain_fraction']:.1f} % of the base loss); its last quarter gains "
-            f"{100 * lq['mean']:.1f} % of it (max over seeds {100 * lq['max']:.1f} %); the validation set's own standard error of the "
-            f"improvement {summary['validation_se_of_gain']:.4f} (seed SD {summary['seed_sd_of_gain'] or 0:.4f})",
-            "",
-        ]
-    lines += [f"{arm}: {why}." for arm, why in summary["windowless"].items()] + [""] * bool(summary["windowless"])
-    lines += [
-        "Time to 90 % of native's improvement, arm ÷ native (geometric mean over seeds, paired 95 % t interval on the log-ratio; "
-        "reached = seeds that reached it within the arm's budget):",
-        "",
-        "| arm | seeds | routed share | FLOPs saved per step | CPU s per step vs native | FLOPs to 90 % | reached | CPU s to 90 % | reached | bootstrap check (FLOPs) |",
-        "|---|---|---|---|---|---|---|---|---|---|",
-    ]
-    for arm, e in summary["arms"].items():
-        f, c = e["time_to_quality"]["flops"], e["time_to_quality"]["cpu"]
-        boot = "n/a" if f["boot_lo"] is None else f"[{f['boot_lo']:.2f}, {f['boot_hi']:.2f}]"
-        lines.append(
-            f"| {arm} | {e['seeds']} | {100 * e['routed_share']:.1f} % | {100 * e['flop_saving_per_step']:.1f} % | "
-            f"{e['cpu_per_step_vs_native']:.2f} | {_ratio(f)} | {f['reached']}/{f['seeds']} | {_ratio(c)} | {c['reached']}/{c['seeds']} | {boot} |"
-        )
-    lines += ["", "Time to 75 % / 100 % of native's improvement (FLOPs ratio):", "", "| arm | 75 % | 100 % |", "|---|---|---|"]
-    for arm, e in summary["arms"].items():
-        lv = e["time_to_quality"]["flops"]["levels"]
-        lines.append(f"| {arm} | {_ratio(lv['75'])} ({lv['75']['reached']}/{lv['75']['seeds']}) | "
-                     f"{_ratio(lv['100'])} ({lv['100']['reached']}/{lv['100']['seeds']}) |")  # fmt: skip
-    margin = MARGIN_SHARE * summary.get("native_gain", 0.0)
-    lines += [
-        "",
-        f"Validation loss, arm − native (paired 95 % interval; margin = a tenth of native's improvement, {margin:.4f}):",
-        "",
-        "| arm | equal compute 0.5× | 0.75× | 1× native FLOPs | equal steps |",
-        "|---|---|---|---|---|",
-    ]
-    for arm, e in summary["arms"].items():
-        ec = e["equal_compute"]
-        lines.append(f"| {arm} | {_iv(ec.get('0.5'))} | {_iv(ec.get('0.75'))} | {_iv(ec.get('1'))} | {_iv(e['equal_steps'])} |")
-    lines += [
-        "",
-        f"Break-even toward production (an extrapolation): steps to 90 % (arm ÷ native, the lab's) × the per-step time ratio of the "
-        f"arm's routes on {PRODUCTION_ARCH} at 1 024 px (FLOP model; realized share {REALIZED:g}); below 1 = sooner there:",
-        "",
-        "| arm | steps to 90 % | production FLOP saving per step | time to 90 % at production (FLOP model) | at realized share |",
-        "|---|---|---|---|---|",
-    ]
-    for arm, e in summary["arms"].items():
-        st, prod = e["time_to_quality"]["steps"], e["production"]
-        fm, rl = prod["time_ratio"]["flop_model"], prod["time_ratio"]["realized"]
-        lines.append(
-            f"| {arm} | {_ratio(st)} | {100 * prod['flop_saving_per_step']:.1f} % | {_ratio({**st, **fm})} | {_ratio({**st, **rl})} |"
-        )
-    return "\n".join(lines)
-
-
-def plot(runs: dict[tuple[str, int], dict[str, Any]], summary: dict[str, Any], path: Path, title: str) -> None:
-    """Mean validation curve per arm against FLOPs (in native-run units), and the time-to-90 % ratios."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from downscale_plugin.quality import value_at
-
-    fig, (ax_curve, ax_ttq) = plt.subplots(1, 2, figsize=(13, 5.5), gridspec_kw={"width_ratios": [3, 2]})
-    grid = [k / 40 for k in range(51)]
-    for i, (arm, e) in enumerate(summary["arms"].items()):
-        mean = []
-        for x in grid:
-            vals = [value_at(*_raw(runs[arm, s], "flops"), x * runs["native", s]["native_flops"]) for s in e["seed_list"]]
-            mean.append(statistics.fmean(vals) if all(v is not None for v in vals) else math.nan)
-        ax_curve.plot(grid, mean, color=f"C{i}", label=f"{arm} ({100 * e['flop_saving_per_step']:.0f} % FLOPs/step)")
-        f = e["time_to_quality"]["flops"]
-        if f["lo"] is not None:
-            ax_ttq.errorbar([f["ratio"]], [i], xerr=[[f["ratio"] - f["lo"]], [f["hi"] - f["ratio"]]], fmt="o", color=f"C{i}")
-    ax_curve.axhline(summary["base_val"] - 0.9 * summary["native_gain"], color="grey", linestyle=":", label="90 % of native's improvement")
-    ax_curve.set_xlabel("training FLOPs, in units of the native run's")
-    ax_curve.set_ylabel("held-out native-grid validation loss (mean over seeds)")
-    ax_curve.legend(fontsize="small")
-    ax_ttq.axvline(1.0, color="black", linewidth=0.8)
-    ax_ttq.set_yticks(range(len(summary["arms"])), list(summary["arms"]))
-    ax_ttq.set_xlabel("FLOPs to 90 % quality, arm ÷ native (95 % CI)")
-    fig.suptitle(title, fontsize=9)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-
-
-# ---- the study ----
-
-
-def load_runs(out: Path) -> dict[tuple[str, int], dict[str, Any]]:
-    return {(b["arm"], b["seed"]): b for b in (json.loads(p.read_text()) for p in sorted((out / "runs").glob("*.json")))}
-
-
-def refusals(runs: dict[tuple[str, int], dict[str, Any]], args: argparse.Namespace) -> list[str]:
-    """Stored runs that cannot be reused under these settings and this code, each with why."""
-    now, settings, out = code_state(), settings_of(args), []
-    for (arm, seed), run in sorted(runs.items()):
-        reason = "its settings differ" if run["settings"] != settings else stale_reason(run, now)
-        if reason is None and arm in ARMS and run["table"] != arm_table(arm):
+        run = json.loads(path.read_text())
+        reason = "its settings differ" if run["settings"] != job["settings"] else stale_reason(run, now)
+        if reason is None and run["table"] != job["table"]:
             reason = "its arm's table changed"
         if reason:
-            out.append(f"{arm} seed {seed}: {reason}")
-    return out
+            problems.append(f"{path.relative_to(out)}: {reason}")
+    return problems
 
 
-def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--arms", default=",".join(DEFAULT_ARMS), help=f"comma-separated arms of {','.join(ARMS)}")
-    parser.add_argument("--seeds", default=",".join(str(s) for s in range(16)), help="comma-separated training seeds (default 0-15)")
-    parser.add_argument("--task", default="concept", help="lab.concept.TASKS: concept (default) or corpus")
-    parser.add_argument("--steps", type=int, default=400, help="the native run's steps: the budget's unit (default 400)")
-    parser.add_argument("--rank", type=int, default=8)
-    parser.add_argument("--lr", type=float, default=1e-2, help="peak learning rate (default 1e-2)")
-    parser.add_argument(
-        "--schedule",
-        default="cosine",
-        choices=("constant", "cosine"),
-        help="lr over the FLOPs spent ÷ the native unit: constant, or cosine to zero at 1 (every arm then stops at 1)",
-    )
-    parser.add_argument("--batch_size", type=int, default=1)
-    parser.add_argument("--points", type=int, default=16, help="validation points per native-run FLOPs (default 16)")
-    parser.add_argument("--val_per_bucket", type=int, default=2, help="held-out crops per lab bucket (default 2)")
-    parser.add_argument("--val_sigmas", default=VAL_SIGMAS, help=f"comma-separated validation σ (default {VAL_SIGMAS})")
-    parser.add_argument("--val_draws", type=int, default=2, help="noise draws per (crop, σ) (default 2)")
-    parser.add_argument("--val_seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="quick pretrain (smoke runs only)")
-    parser.add_argument("--jobs", type=int, default=1, help="runs at a time, one process and one torch thread each")
-    parser.add_argument("--report", action="store_true", help="only aggregate the runs already stored")
-    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
-    parser.add_argument("--out", default="out/bench_quality")
-    args = parser.parse_args(argv)
-    args.arm_list = [a for a in args.arms.split(",") if a]
-    problems = [f"--arms: {a!r} is not an arm (allowed: {', '.join(ARMS)})" for a in args.arm_list if a not in ARMS]
-    if "native" not in args.arm_list:
-        problems.append("--arms must include native (every ratio is against the native twin)")
-    try:
-        args.seed_list = [int(s) for s in args.seeds.split(",")]
-    except ValueError:
-        problems.append(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
-    problems += [
-        f"--{k} must be >= 1"
-        for k in ("steps", "rank", "batch_size", "points", "val_per_bucket", "val_draws", "jobs")
-        if getattr(args, k) < 1
-    ]
-    if args.task not in ("concept", "corpus"):
-        problems.append(f"--task: {args.task!r} (allowed: concept, corpus)")
-    if problems:
-        parser.error("; ".join(problems))
-    return args
+def work(args: argparse.Namespace) -> None:
+    """A worker: claims the next unclaimed, not yet stored run (an exclusive ``.claim`` file) until none is left."""
+    import torch
+
+    torch.set_num_threads(1)
+    out, labs = Path(args.out), {}
+    for job in planned_runs(args):
+        s = job["settings"]
+        path = run_path(out, job["concept"], job["arm"], job["seed"], s["schedule"], job["pilot_steps"])
+        if path.exists():
+            continue
+        path.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            os.close(os.open(path.with_suffix(".claim"), os.O_CREAT | os.O_EXCL))
+        except FileExistsError:
+            continue
+        key = (job["concept"], tuple(s["sigmas"]))
+        labs[key] = labs.get(key) or Lab(job["concept"], s["sigmas"], args)
+        t0 = time.perf_counter()
+        blob = run_one(labs[key], job["arm"], job["table"], job["seed"], s, args.samples)
+        tmp = path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(blob))
+        os.replace(tmp, path)
+        path.with_suffix(".claim").unlink()
+        print(f"{path.relative_to(out)}: {len(blob['tokens_run'])} steps, CPU {blob['cpu_s']['total']:.0f} s "
+              f"(validation {blob['cpu_s']['validation']:.0f} s, samples {blob['cpu_s']['samples']:.0f} s), wall {time.perf_counter() - t0:.0f} s, "
+              f"L̄ {blob['curve'][0]['lbar']:.4f} -> {blob['curve'][-1]['lbar']:.4f}", flush=True)  # fmt: skip
 
 
 def _worker_command(argv: list[str]) -> list[str]:
@@ -560,81 +491,322 @@ def _worker_command(argv: list[str]) -> list[str]:
     return [sys.executable, __file__, *keep, "--worker"]
 
 
-def todo(args: argparse.Namespace) -> list[tuple[str, int]]:
-    """Seed by seed (a stopped study leaves whole seeds), native first within a seed."""
-    arms = [a for a in sorted(args.arm_list, key=lambda a: a != "native") if not windowless(a)]
-    return [(a, s) for s in args.seed_list for a in arms]
+def launch(args: argparse.Namespace, argv: list[str]) -> int:
+    """Refuse what cannot run here, then run ``--jobs`` workers (one torch thread each) until every run is stored."""
+    now = code_state()
+    if not descends_from_protocol(now["revision"]):
+        print(f"bench_quality: the code revision {now['revision']} does not descend from the protocol's ({protocol_revision()}): "
+              "a run must (PROTOCOL.md)", file=sys.stderr)  # fmt: skip
+        return 2
+    jobs = planned_runs(args)
+    refused = refusals(args, jobs)
+    if refused:
+        print(f"bench_quality: {args.out} holds runs that cannot be reused (move them away or use another --out):", file=sys.stderr)
+        print("\n".join(f"  {r}" for r in refused), file=sys.stderr)
+        return 2
+    for claim in Path(args.out).rglob("*.claim"):  # a stopped study's unfinished runs
+        claim.unlink()
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
+    codes = [w.wait() for w in [subprocess.Popen(_worker_command(argv), env=env) for _ in range(args.jobs)]]
+    if any(codes):
+        print(f"bench_quality: worker exit codes {codes}", file=sys.stderr)
+        return 1
+    return 0
 
 
-def work(args: argparse.Namespace) -> None:
-    """A worker: claims the next unclaimed, not yet stored run (an exclusive ``.claim`` file) until none is left."""
-    import torch
+def decide_pilots(args: argparse.Namespace) -> dict[str, Any]:
+    """Per concept, S from its stored pilot runs (PROTOCOL §1), stored as ``pilot/<concept>.json``."""
+    out, decisions = Path(args.out), {}
+    for concept in args.concept_list:
+        record: dict[str, Any] = {"concept": concept, "seeds": list(PILOT_SEEDS), "protocol_revision": protocol_revision(),
+                                  "code_revision": code_state()["revision"], "by_steps": {}}  # fmt: skip
+        for steps in PILOT_STEPS:
+            runs = [json.loads(p.read_text()) for s in PILOT_SEEDS if (p := run_path(out, concept, "native", s, steps=steps)).is_file()]
+            if len(runs) == len(PILOT_SEEDS):
+                record["by_steps"][str(steps)] = pilot_criterion(runs)
+        verdicts = record["by_steps"]
+        if str(PILOT_STEPS[0]) not in verdicts or (not verdicts[str(PILOT_STEPS[0])]["met"] and str(PILOT_STEPS[1]) not in verdicts):
+            continue  # not yet decided: the next pilot call runs what is missing
+        met400 = verdicts[str(PILOT_STEPS[0])]["met"]
+        record["steps"] = PILOT_STEPS[0] if met400 else PILOT_STEPS[1]
+        record["criterion_met"] = met400 or verdicts[str(PILOT_STEPS[1])]["met"]
+        pilot_path(out, concept).write_text(json.dumps(record, indent=1) + "\n")
+        decisions[concept] = record
+    return decisions
 
-    torch.set_num_threads(1)
-    out, lab = Path(args.out), None
-    for arm, seed in todo(args):
-        path = run_path(out, arm, seed)
-        if path.exists():
+
+# ---- aggregation ----
+
+
+def curves(runs: list[dict[str, Any]]):
+    """:class:`quality.Curves` of runs (their seeds in order): per-crop losses averaged over draws, FLOPs
+    in native units. A run with fewer points (under the steps schedule a routed arm stops short of one
+    unit) is padded with its last point repeated: its fit, reach and last value are unchanged."""
+    import numpy as np
+
+    from downscale_plugin.quality import Curves
+
+    points = max(len(r["curve"]) for r in runs)
+    pad = lambda xs: list(xs) + [xs[-1]] * (points - len(xs))  # noqa: E731
+    losses = np.array([pad([np.reshape(items, r["items_shape"]).mean(axis=2) for items in r["items"]]) for r in runs])
+    flops = np.array([pad([p["flops"] / r["native_flops"] for p in r["curve"]]) for r in runs])
+    cpu = np.array([pad([p["cpu_s"] for p in r["curve"]]) for r in runs])
+    return Curves(losses, flops, cpu)
+
+
+def load_runs(folder: Path) -> dict[tuple[str, int], dict[str, Any]]:
+    return {(b["arm"], b["seed"]): b for b in (json.loads(p.read_text()) for p in sorted(folder.glob("*.json")))}
+
+
+def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]], tables: dict[str, Any]) -> dict[str, Any]:
+    """One concept's block of ``summary.json`` (PROTOCOL §5)."""
+    import numpy as np
+
+    from downscale_plugin.quality import arm_statistics, decide, native_gain, paired_item_difference
+
+    natives = {s: r for (a, s), r in runs.items() if a == "native"}
+    if not natives:
+        return {"task": {"name": concept, "kind": CONCEPTS.get(concept), "pretraining_overlap": False}, "arms": {}}
+    first = natives[min(natives)]
+    sigmas, weights = first["settings"]["sigmas"], first["weights"]
+    nat_seeds = sorted(natives)
+    facts = native_gain(curves([natives[s] for s in nat_seeds]), weights)
+    delta = MARGIN_SHARE * float(np.mean(facts["gain"]))
+    shape = first["items_shape"]
+    block: dict[str, Any] = {
+        "task": {"name": concept, "kind": CONCEPTS.get(concept), "pretraining_overlap": False},
+        "steps": first["settings"]["steps"],
+        "native_gain": float(np.mean(facts["gain"])),
+        "native_gain_fraction": float(np.mean(facts["gain_fraction"])),
+        "native_last_quarter_fraction": float(np.mean(facts["last_quarter_fraction"])),
+        "native_last_quarter_fraction_max": float(np.max(facts["last_quarter_fraction"])),
+        "delta": delta,
+        "validation": {"sigmas": sigmas, "weights": weights,
+                       "items": {"crops": shape[0], "draws": shape[2], "per_bucket": first["settings"]["val_per_bucket"],
+                                 "seed": first["settings"]["val_seed"], "points": first["settings"]["points"]}},
+        "arms": {},
+    }  # fmt: skip
+    for arm, table in tables.items():
+        if windowless(table):
+            block["arms"][arm] = {
+                "windowless": True,
+                "note": "the map certified no window: the plugin is off and the arm is the native run",
+            }
             continue
-        try:
-            os.close(os.open(path.with_suffix(".claim"), os.O_CREAT | os.O_EXCL))
-        except FileExistsError:
+        seeds = sorted(s for (a, s) in runs if a == arm and s in natives)
+        if not seeds:
             continue
-        lab = lab or Lab(args)
-        t0 = time.perf_counter()
-        blob = run_one(arm, seed, args, lab)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(blob))
-        os.replace(tmp, path)
-        path.with_suffix(".claim").unlink()
-        print(f"{arm} seed {seed}: {len(blob['tokens_run'])} steps, CPU {blob['cpu_s_total']:.0f} s, wall {time.perf_counter() - t0:.0f} s, "
-              f"val {blob['curve'][0]['val']:.4f} -> {blob['curve'][-1]['val']:.4f}", flush=True)  # fmt: skip
+        arm_runs, nat_runs = [runs[arm, s] for s in seeds], [natives[s] for s in seeds]
+        routed = [i for r in arm_runs for i in r["routed"]]
+        entry: dict[str, Any] = {
+            "seeds": seeds,
+            "code_revision": sorted(
+                {r["code"]["revision"] + (f"+{r['code']['uncommitted']}" if r["code"]["uncommitted"] else "") for r in arm_runs}
+            ),
+            "steps_routed": (sum(i >= 0 for i in routed) / len(routed)) if routed else 0.0,
+            "flops_saved_per_step": flops_saved_per_step(arm_runs),
+            "bands": bands(table),
+        }
+        if arm != "native":
+            stats = arm_statistics(curves(nat_runs), curves(arm_runs), weights, quality=QUALITY, reps=REPS, seed=BOOT_SEED)
+            by = stats["equal_compute_by_stratum"]
+            routed_strata = [any(lo < s <= hi for lo, hi in entry["bands"]) for s in sigmas]
+            sample = paired_item_difference(np.array([r["samples"]["spectrum_distance"] for r in nat_runs]),
+                                            np.array([r["samples"]["spectrum_distance"] for r in arm_runs]), reps=REPS, seed=BOOT_SEED)  # fmt: skip
+            entry.update(
+                time_to_quality=stats["time_to_quality"],
+                equal_compute=stats["equal_compute"],
+                equal_compute_by_sigma=[{"sigma": s, "diff": d, "lo": lo, "hi": hi} for s, d, lo, hi in zip(sigmas, by["diff"], by["lo"], by["hi"], strict=True)],
+                sample_metric=sample,
+                decision=decide(stats["equal_compute"], by, routed_strata, delta),
+                sooner={k: stats["time_to_quality"][k]["hi"] < 1.0 for k in ("flops", "cpu")},
+            )  # fmt: skip
+        block["arms"][arm] = entry
+    control = block["arms"].get(CONTROL)
+    if control and "decision" in control:
+        block["control_informative"] = control["decision"] == "fails" and control["sample_metric"]["lo"] > 0
+    return block
+
+
+def flops_saved_per_step(runs: list[dict[str, Any]]) -> float:
+    """1 − an arm's training FLOPs per step ÷ its native twin's (``native_flops`` over S steps), mean over seeds."""
+    ratios = [(r["curve"][-1]["flops"] / len(r["tokens_run"])) / (r["native_flops"] / r["settings"]["steps"]) for r in runs]
+    return 1 - sum(ratios) / len(ratios)
+
+
+def default_margin(concepts: dict[str, Any], expected: list[str]) -> dict[str, Any]:
+    """PROTOCOL §6: the widest ε among the arms run that is non-inferior on every concept; None while a
+    concept lacks an arm's runs (or none is, with what the protocol says follows)."""
+    complete = all(c in concepts and concepts[c]["arms"] and all("decision" in e or e.get("windowless") for n, e in concepts[c]["arms"].items() if n != "native")
+                   and len([n for n in concepts[c]["arms"] if n != "native"]) >= 3 for c in expected)  # fmt: skip
+    if not complete:
+        return {"value": None, "why": "not every concept has complete arms"}
+    margins: dict[float, list[str]] = {}
+    for c in expected:
+        for name, e in concepts[c]["arms"].items():
+            eps = DEFAULT_MARGIN if name == "default" else float(name[3:]) if name.startswith("eps") else None
+            if eps is not None and e.get("decision") == "non-inferior":
+                margins.setdefault(eps, []).append(c)
+    ok = [eps for eps, cs in margins.items() if set(cs) == set(expected)]
+    if ok:
+        return {"value": max(ok), "why": "the widest margin non-inferior on every concept"}
+    return {"value": None, "why": "no margin is non-inferior on every concept: version 2 of the protocol adds ε = 0.1 arms (PROTOCOL §6)"}
+
+
+def summarize(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
+    out = Path(args.out)
+    concepts = {}
+    for concept in args.concept_list:
+        folder = out / "runs" / (concept if args.schedule == "flops" else f"{concept}_steps")
+        concepts[concept] = summarize_concept(concept, load_runs(folder), concept_arms(concept, Path(args.windows)))
+    dm = default_margin(concepts, list(CONCEPTS)) if args.schedule == "flops" else {"value": None, "why": "sensitivity analysis"}
+    code = code_state()
+    return {
+        "protocol_revision": protocol_revision(),
+        "default_margin": dm["value"],
+        "default_margin_why": dm["why"],
+        "schedule": args.schedule,
+        "code_revision": (code["revision"] or "?") + (f"+{code['uncommitted']}" if code["uncommitted"] else ""),
+        "command": "python benchmarks/bench_quality.py " + " ".join(argv),
+        "bootstrap": {"reps": REPS, "seed": BOOT_SEED, "level": 0.95, "resampled": "seeds and validation crops (samples), independently"},
+        "concepts": concepts,
+    }
+
+
+def _iv(d: dict[str, Any] | None, fmt: str = "+.4f") -> str:
+    return "—" if not d else f"{format(d['diff'], fmt)} [{format(d['lo'], fmt)}, {format(d['hi'], fmt)}]"
+
+
+def _ratio(d: dict[str, Any]) -> str:
+    capped = "" if d["reached"] == d["seeds"] else " (≥)"
+    return f"{d['ratio']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]{capped} {d['reached']}/{d['seeds']}"
+
+
+def report(summary: dict[str, Any]) -> str:
+    lines = [
+        f"# Quality study (PROTOCOL.md at {str(summary['protocol_revision'])[:12]}; schedule over {summary['schedule']})",
+        "",
+        f"Code {summary['code_revision'][:12]}; `{summary['command']}`. Intervals: 95 % percentile, two-way bootstrap "
+        f"({REPS} replicates, seed {BOOT_SEED}). Default margin (PROTOCOL §6): {summary['default_margin']} ({summary['default_margin_why']}).",
+        "",
+        "| concept | arm | seeds | steps routed | FLOPs saved per step | FLOPs to 90 % (reached) | CPU s to 90 % (reached) | L̄ at one unit, arm − native | worst stratum | sample metric | decision |",
+        "|---|---|---|---|---|---|---|---|---|---|---|",
+    ]
+    for name, c in summary["concepts"].items():
+        for arm, e in c["arms"].items():
+            if e.get("windowless"):
+                lines.append(f"| {name} | {arm} | — | {e['note']} | | | | | | | |")
+                continue
+            if "decision" not in e:
+                lines.append(f"| {name} | {arm} | {len(e['seeds'])} | | | | | | | | (the reference) |")
+                continue
+            worst = max(e["equal_compute_by_sigma"], key=lambda s: s["diff"])
+            tq = e["time_to_quality"]
+            sooner = ", sooner" if e["sooner"]["flops"] else ""
+            lines.append(
+                f"| {name} | {arm} | {len(e['seeds'])} | {100 * e['steps_routed']:.1f} % | {100 * e['flops_saved_per_step']:.1f} % | "
+                f"{_ratio(tq['flops'])} | {_ratio(tq['cpu'])} | {_iv(e['equal_compute'])} | σ {worst['sigma']:g}: {_iv(worst)} | "
+                f"{_iv(e['sample_metric'], '+.3f')} | {e['decision']}{sooner} |"
+            )
+    for name, c in summary["concepts"].items():
+        if "validation" not in c:
+            continue
+        arms = [a for a, e in c["arms"].items() if "decision" in e]
+        lines += [
+            "",
+            f"## {name} ({c['task']['kind']}): S = {c['steps']}, native improvement {c['native_gain']:.4f} "
+            f"({100 * c['native_gain_fraction']:.1f} % of the base's L̄; last quarter {100 * c['native_last_quarter_fraction']:.1f} %, "
+            f"max {100 * c['native_last_quarter_fraction_max']:.1f} %); δ = {c['delta']:.4f}"
+            + ("" if c.get("control_informative", True) else "; **the control does not fail: uninformative**"),
+            "",
+            "Arm − native at one unit of native FLOPs, per stratum (weight = the training σ law's mass on its cell):",
+            "",
+            "| σ | weight | " + " | ".join(arms) + " |",
+            "|---|---|" + "---|" * len(arms),
+        ]
+        for k, (s, w) in enumerate(zip(c["validation"]["sigmas"], c["validation"]["weights"], strict=True)):
+            lines.append(f"| {s:g} | {w:.3f} | " + " | ".join(_iv(c["arms"][a]["equal_compute_by_sigma"][k]) for a in arms) + " |")
+    return "\n".join(lines) + "\n"
+
+
+# ---- command line ----
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("command", choices=("windows", "pilot", "study", "report"))
+    parser.add_argument("--concepts", default=",".join(CONCEPTS), help=f"comma-separated, of {', '.join(CONCEPTS)}")
+    parser.add_argument("--concept", help="windows: the concept whose map is read")
+    parser.add_argument("--map", help="windows: the concept map's map.json")
+    parser.add_argument(
+        "--schedule",
+        default="flops",
+        choices=("flops", "steps"),
+        help="cosine over the FLOPs spent (primary) or over S steps (sensitivity, hatch)",
+    )
+    parser.add_argument("--arms", default="", help="study: only these arms (default: every arm of each concept)")
+    parser.add_argument("--seeds", default="", help="study: only these seeds (default: the protocol's)")
+    parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one process and one torch thread each (default 2)")
+    parser.add_argument("--out", default=str(OUT))
+    parser.add_argument("--windows", default=str(OUT), help="the folder holding windows/ (default: --out's protocol folder)")
+    # Smoke settings only: a run records them, so a smoke run is never mistaken for the protocol's.
+    parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
+    parser.add_argument("--points", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--val_per_bucket", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--val_draws", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--samples", type=int, default=len(SAMPLE_SEEDS), help=argparse.SUPPRESS)
+    parser.add_argument("--rank", type=int, default=8, help=argparse.SUPPRESS)
+    parser.add_argument("--lr", type=float, default=1e-2, help=argparse.SUPPRESS)
+    parser.add_argument("--quick", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    args.concept_list = [c for c in args.concepts.split(",") if c]
+    problems = [f"--concepts: {c!r} is not a concept (allowed: {', '.join(CONCEPTS)})" for c in args.concept_list if c not in CONCEPTS]
+    args.arm_list = [a for a in args.arms.split(",") if a]
+    try:
+        args.seed_list = [int(s) for s in args.seeds.split(",") if s]
+    except ValueError:
+        problems.append(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
+    if args.command == "windows" and (args.concept not in CONCEPTS or not args.map):
+        problems.append(f"windows needs --concept (one of {', '.join(CONCEPTS)}) and --map MAP_JSON")
+    if args.schedule == "steps" and args.concept_list != [SENSITIVITY["concept"]]:
+        problems.append(f"--schedule steps is the sensitivity analysis: --concepts {SENSITIVITY['concept']} only (PROTOCOL §1)")
+    problems += [
+        f"--{k} must be >= 1" for k in ("points", "val_per_bucket", "val_draws", "samples", "rank", "jobs") if getattr(args, k) < 1
+    ]
+    if problems:
+        parser.error("; ".join(problems))
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     out = Path(args.out)
-    (out / "runs").mkdir(parents=True, exist_ok=True)
+    if args.command == "windows":
+        choice = derive_windows(args.concept, Path(args.map), Path(args.windows))
+        print(json.dumps(choice, indent=1))
+        return 0
     if args.worker:
         work(args)
         return 0
-    refused = refusals(load_runs(out), args)
-    if refused:
-        print(f"bench_quality: {out} holds runs that cannot be reused (move them away or use another --out):", file=sys.stderr)
-        print("\n".join(f"  {r}" for r in refused), file=sys.stderr)
-        return 2
-    if not args.report:
-        for claim in (out / "runs").glob("*.claim"):  # a stopped study's unfinished runs
-            claim.unlink()
-        env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
-        codes = [w.wait() for w in [subprocess.Popen(_worker_command(argv), env=env) for _ in range(args.jobs)]]
-        if any(codes):
-            print(f"bench_quality: worker exit codes {codes}", file=sys.stderr)
-            return 1
-    runs = {k: v for k, v in load_runs(out).items() if k[0] in args.arm_list and k[1] in args.seed_list}
-    summary = summarize(runs, args.arm_list)
-    header = (
-        f"lab DiT{' (quick pretrain)' if args.quick else ''} LoRA (rank {args.rank}, lr {args.lr:g} {args.schedule}, B = {args.batch_size}) on the "
-        f"'{args.task}' task; native {args.steps} steps; σ sampler shift 3.1582; twins per seed; validation at {args.points} points per "
-        f"native-run FLOPs on held-out images: {args.val_per_bucket} crops × 5 buckets × {len(val_sigmas(args))} σ × {args.val_draws} noise draws; "
-        "CPU seconds at one torch thread"
-    )
-    code = code_state()
-    summary.update(
-        task={"name": args.task, "pretraining_overlap": args.task == "corpus",
-              "validation": f"held-out {'posters' if args.task == 'concept' else 'crops'}: {args.val_per_bucket} crops per bucket × 5 buckets, "
-                            f"{len(val_sigmas(args))} σ {val_sigmas(args)} × {args.val_draws} noise draws each, native grid, per-item losses stored"},
-        code_revision=code["revision"] + (f"+{code['uncommitted']}" if code["uncommitted"] else ""),
-        settings=settings_of(args),
-        command="python benchmarks/bench_quality.py " + " ".join(argv),
-    )  # fmt: skip
-    text = report(summary, header)
+    if args.command == "pilot":
+        for _ in PILOT_STEPS:  # 400 steps; 800 where 400 fails the criterion
+            code = launch(args, argv)
+            if code:
+                return code
+        print(json.dumps(decide_pilots(args), indent=1))
+        return 0
+    if args.command == "study":
+        code = launch(args, argv)
+        if code:
+            return code
+    summary = summarize(args, argv)
+    name = "summary.json" if args.schedule == "flops" else "summary_steps.json"
+    (out / name).write_text(json.dumps(summary, indent=1) + "\n")
+    text = report(summary)
+    (out / name.replace("summary", "report").replace(".json", ".md")).write_text(text)
     print(text)
-    (out / "summary.json").write_text(json.dumps(summary, indent=1))
-    (out / "report.md").write_text(text + "\n")
-    if summary["arms"] and "native" in summary["arms"]:
-        plot(runs, summary, out / "quality.png", header)
     return 0
 
 

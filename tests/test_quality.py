@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 import torch
 
-from downscale_plugin.arch import get_arch
 from downscale_plugin.config import load_config
 from downscale_plugin.flops import FlopModel
 from downscale_plugin.hosts.lab.adapter import LabPlugin
@@ -142,67 +141,6 @@ def _bench():
     return module
 
 
-def _synthetic_run(arm: str, seed: int, flops_per_step: float, progress: float, steps: int, tau: float) -> dict:
-    """A run whose validation loss falls linearly to a plateau: val = 1 − 0.1·min(progress·step/tau, 1),
-    validated every step; CPU seconds = 2 × FLOPs."""
-    curve = [{"step": k, "flops": k * flops_per_step, "cpu_s": 2 * k * flops_per_step, "val": 1.0 - 0.1 * min(progress * k / tau, 1.0)}
-             for k in range(steps + 1)]  # fmt: skip
-    items = [[p["val"]] * 40 for p in curve]  # 10 crops × 4 σ × 1 draw, every item the mean
-    settings = {"steps": 16, "val_per_bucket": 2, "val_draws": 1, "val_sigmas": [0.1, 0.35, 0.6, 0.85]}
-    table = None if arm == "native" else {"routes": [{"route": "256:128", "sigma_min": 0.0}]}
-    return {"arm": arm, "seed": seed, "settings": settings, "native_flops": 16.0, "curve": curve, "items": items, "table": table,
-            "tokens_run": [1] * steps, "routed": [] if arm == "native" else [0] * steps}  # fmt: skip
-
-
-def test_time_to_quality_read_offs_on_synthetic_runs() -> None:
-    """Native: 1 FLOP per step, 90 % of its improvement at step 0.9·τ. An arm at half the FLOPs per step
-    with native's progress per step reaches it at half the FLOPs (ratio 0.5); one at 0.8× the progress
-    at 0.625; a control that plateaus at half the improvement never does."""
-    bench = _bench()
-    runs = {}
-    for seed, tau in enumerate((12.0, 10.0, 11.0)):  # a seed lottery the pairing must cancel
-        runs["native", seed] = _synthetic_run("native", seed, 1.0, 1.0, 16, tau)
-        runs["eps0.1", seed] = _synthetic_run("eps0.1", seed, 0.5, 1.0, 35, tau)
-        runs["eps0.2", seed] = _synthetic_run("eps0.2", seed, 0.5, 0.8, 35, tau)
-        control = _synthetic_run("all0.5", seed, 0.25, 1.0, 64, tau)
-        control["curve"] = [{**p, "val": 1.0 - 0.05 * min(p["step"] / tau, 1.0)} for p in control["curve"]]
-        runs["all0.5", seed] = control
-    s = bench.summarize(runs, ["native", "eps0.1", "eps0.2", "all0.5"])
-    assert s["native_gain"] == pytest.approx(0.1) and s["native_gain_fraction"] == pytest.approx(0.1)
-    assert s["native_last_quarter_share"]["max"] == pytest.approx(0.0)  # every τ ≤ 12 of 16 steps: flat last quarter
-    for arm, expected in (("native", 1.0), ("eps0.1", 0.5), ("eps0.2", 0.625)):
-        ttq = s["arms"][arm]["time_to_quality"]
-        assert ttq["flops"]["ratio"] == pytest.approx(expected) and ttq["cpu"]["ratio"] == pytest.approx(expected)
-        assert ttq["flops"]["reached"] == 3 and ttq["flops"]["lo"] == pytest.approx(expected)  # the same ratio every seed
-    control = s["arms"]["all0.5"]["time_to_quality"]["flops"]
-    assert control["reached"] == 0 and control["ratio"] > 1.0  # entered at its cap: a lower bound beyond native
-    ec = s["arms"]["eps0.1"]["equal_compute"]
-    assert ec["1"]["mean"] == pytest.approx(0.0) and ec["0.5"]["mean"] < 0  # ahead at half the compute, level at the plateau
-    control_ec = s["arms"]["all0.5"]["equal_compute"]["1"]
-    assert control_ec["mean"] == pytest.approx(0.05) and not control_ec["non_inferior"]
-    assert s["arms"]["eps0.1"]["equal_steps"]["mean"] == pytest.approx(0.0)
-    assert s["arms"]["eps0.1"]["flop_saving_per_step"] == pytest.approx(0.5)
-    assert s["validation_se_of_gain"] == pytest.approx(0.0)  # every item moved alike
-    # Production: the same steps to 90 % as native (ratio 1), every step at half of a 4 096-token Flux grid.
-    cost = get_arch("flux").flops.flops
-    prod = s["arms"]["eps0.1"]["production"]
-    assert s["arms"]["eps0.1"]["time_to_quality"]["steps"]["ratio"] == pytest.approx(1.0)
-    assert prod["flop_saving_per_step"] == pytest.approx(1 - cost(1024) / cost(4096))
-    assert prod["time_ratio"]["flop_model"]["ratio"] == pytest.approx(cost(1024) / cost(4096))
-    assert s["arms"]["eps0.2"]["time_to_quality"]["steps"]["ratio"] == pytest.approx(1.25)
-
-
-def test_an_arm_whose_map_certified_nothing_is_recorded_as_native_not_trained() -> None:
-    """At ε = 0.05 the concept map certified no window (its file says ``enable = false``): the study neither
-    schedules that arm nor reads it as a routed arm, and says why."""
-    bench = _bench()
-    args = bench.parse_args(["--arms", "native,eps0.05,eps0.2", "--seeds", "0,1"])
-    assert bench.todo(args) == [("native", 0), ("eps0.2", 0), ("native", 1), ("eps0.2", 1)]
-    runs = {("native", 0): _synthetic_run("native", 0, 1.0, 1.0, 16, 10.0), ("native", 1): _synthetic_run("native", 1, 1.0, 1.0, 16, 12.0)}
-    s = bench.summarize(runs, ["native", "eps0.05"])
-    assert set(s["arms"]) == {"native"} and "the arm is the native run" in s["windowless"]["eps0.05"]
-
-
 def test_monotone_fit_first_reach_and_ratio_interval() -> None:
     assert monotone_fit([3.0, 1.0, 2.0, 0.0]) == pytest.approx([3.0, 1.5, 1.5, 0.0])
     assert monotone_fit([1.0, 2.0, 3.0]) == pytest.approx([2.0, 2.0, 2.0])
@@ -222,10 +160,7 @@ def test_stored_runs_record_the_code_and_stale_ones_are_refused() -> None:
     assert "no code revision" in bench.stale_reason({}, now)
     other = "" if now["uncommitted"] else "feed"
     assert "another uncommitted change" in bench.stale_reason({"code": {**now, "uncommitted": other}}, now)
-    assert "not in this checkout" in bench.stale_reason({"code": {"revision": "0" * 40, "uncommitted": now["uncommitted"]}}, now)
-    old = bench._git("rev-list", "-1", "ba8793b")  # before the concept task: the study's files changed since
-    if old:
-        assert "downscale_plugin/lab/" in bench.stale_reason({"code": {"revision": old.strip(), "uncommitted": now["uncommitted"]}}, now)
+    assert "does not descend" in bench.stale_reason({"code": {"revision": "0" * 40, "uncommitted": now["uncommitted"]}}, now)
 
 
 def test_two_seeds_share_no_sigma_or_noise_draw(lab, monkeypatch) -> None:

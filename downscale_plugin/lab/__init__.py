@@ -8,4 +8,5 @@ the benchmarks and the map tool. Submodules are imported on use (they pull in di
 - ``base``: ``load_base`` (the shipped multi-size base, ``weights/``), ``pretrain_base``
 - ``flux_train_utils`` / ``flux_utils``: the host's σ sampler and packing helpers, same contracts
 - ``trainer``: ``LabTrainer``, ``train_lora``, ``native_validation_loss``, ``delta_cosine``
+- ``generate``: ``sample_latents`` (Euler on the flow) and the spectrum metric of the quality study
 """

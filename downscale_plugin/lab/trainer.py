@@ -408,14 +408,20 @@ def native_validation_losses(
     seed: int,
     sigmas: tuple[float, ...] = VAL_SIGMAS,
     draws: int = 1,
+    rows_per_forward: int | None = None,
 ) -> torch.Tensor:
     """Per-item velocity MSE on the native grid, ``[crops, σ, draws]``: every crop of ``val_set``
     (its batches in order) at each fixed σ with ``draws`` noise draws of its own, with ΔW merged into
     the base weights (``lora=None``: the base model). Each (batch, σ, draw) noise comes from a private
     generator seeded by (``seed``, batch, σ index, draw), so a point of a validation curve is a pure
-    function of the adapter, and the items' spread is the validation set's own sampling error."""
-    if draws < 1 or not sigmas:
-        raise ValueError(f"native validation needs draws >= 1 and at least one σ (got {draws}, {sigmas})")
+    function of the adapter, and the items' spread is the validation set's own sampling error.
+
+    ``rows_per_forward``: the DiT runs a bucket's rows (crop × σ × draw) in chunks of this many (default:
+    the whole bucket at once); on one CPU thread small chunks are faster (benchmarks/bench_quality.py)."""
+    if draws < 1 or not sigmas or (rows_per_forward is not None and rows_per_forward < 1):
+        raise ValueError(
+            f"native validation needs draws >= 1, at least one σ and rows_per_forward >= 1 (got {draws}, {sigmas}, {rows_per_forward})"
+        )
     weights = {}
     if lora:
         params = dict(model.named_parameters())
@@ -439,7 +445,12 @@ def native_validation_losses(
             img=flux_utils.pack_latents(noisy.reshape(rows, *x.shape[1:])), img_ids=flux_utils.prepare_img_ids(rows, packed_h, packed_w),
             txt=t5_out, txt_ids=txt_ids, y=l_pooled, timesteps=sigma.repeat(b),
         )  # fmt: skip
-        pred = flux_utils.unpack_latents(functional_call(model, weights, args=(), kwargs=kwargs), packed_h, packed_w)
+        chunk = rows_per_forward or rows
+        pred = torch.cat([
+            functional_call(model, weights, args=(), kwargs={k: v[i : i + chunk] for k, v in kwargs.items()})
+            for i in range(0, rows, chunk)
+        ])  # fmt: skip
+        pred = flux_utils.unpack_latents(pred, packed_h, packed_w)
         target = (noise - clean).reshape(rows, *x.shape[1:])
         per_batch.append(((pred - target) ** 2).mean(dim=(1, 2, 3)).reshape(b, s, d))
     return torch.cat(per_batch)

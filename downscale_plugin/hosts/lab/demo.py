@@ -10,7 +10,7 @@ each 1/``val_points`` of those FLOPs. The table gives what the quality study
 route fractions, the held-out validation loss at equal compute, and each run's time to 90 % of the
 native run's improvement in FLOPs and seconds. A PNG shows both validation curves against FLOPs.
 
-The router is the concept map's windows at ε = 0.2 (``docs/fidelity/quality/windows_eps0.2.toml``);
+The router is the concept map's windows at ε = 0.2 (``docs/fidelity/quality/v0_hatch/windows_eps0.2.toml``);
 ``--seed_recipe`` runs the seed paper's uncertified recipe instead, which routes the concept's detail
 away: a routed step teaches less, and it is not sooner in CPU time (docs/FIDELITY.md §10).
 """
@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # the lab's dependencies (diffusers, peft) load only when the
     from .adapter import LabPlugin
     from .twin import BudgetRun
 
-# The default: the concept map's windows at ε = 0.2 (docs/fidelity/quality/windows_eps0.2.toml, from
+# The default: the concept map's windows at ε = 0.2 (docs/fidelity/quality/v0_hatch/windows_eps0.2.toml, from
 # docs/fidelity/lab_concept_n64_d8_n16/map.json, family-wise read), under the lab trainer's own σ
 # sampler (sd-scripts' recommended Flux recipe, shift 3.1582). Tiers count lab latents at Flux's 8 px
 # per cell, as the map writes them: the 512 px tier is every lab bucket.

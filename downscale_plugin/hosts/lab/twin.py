@@ -101,6 +101,7 @@ class BudgetRun:
     tokens_run: list[int] = field(default_factory=list)  # per step
     step_seconds: list[float] = field(default_factory=list)  # per step
     native_flops: float = 0.0  # the native twin's training FLOPs over ``native_steps``: the budget's unit
+    deltas: dict[str, torch.Tensor] = field(default_factory=dict)  # the adapter's ΔW at the end
 
 
 def native_run_flops(data: Any, seed: int, steps: int, batch_size: int, flop_model: FlopModel) -> float:
@@ -134,6 +135,7 @@ def run_to_budget(
     batch_size: int = 1,
     schedule: Callable[[float], float] | None = None,
     clock: Callable[[], float] = time.process_time,
+    step_budget: int | None = None,
 ) -> BudgetRun:
     """Train a twin until it has spent ``budget`` × its native twin's FLOPs over ``native_steps``,
     validating when the FLOPs spent first reach each k/``points`` of that unit (so every arm of a seed
@@ -142,7 +144,10 @@ def run_to_budget(
     ``validate(deltas)`` returns per-item native-grid losses (``lab.trainer.native_validation_losses``
     bound to the held-out set); a point's loss is their mean. ``schedule(progress)`` scales ``lr``
     by the FLOPs spent ÷ the native unit (not by steps), so every arm of a seed follows one learning-
-    rate curve over compute and an arm that spends less per step decays over more steps."""
+    rate curve over compute and an arm that spends less per step decays over more steps.
+
+    ``step_budget``: stop after that many steps instead (or at the FLOP budget, if sooner), the schedule
+    read at the steps done ÷ ``step_budget`` (the same steps for every arm: fewer FLOPs for a routed one)."""
     if budget <= 0 or points < 1 or native_steps < 1:
         raise ValueError(f"budget must be > 0, points and native_steps >= 1 (got {budget}, {points}, {native_steps})")
     out = BudgetRun(native_flops=native_run_flops(data, seed, native_steps, batch_size, flop_model))
@@ -155,10 +160,12 @@ def run_to_budget(
     def step_done(done: int) -> bool:
         out.tokens_run.append(tokens_of(done - 1))
         spent[0] += batch_size * flop_model.flops(out.tokens_run[-1])
-        return spent[0] >= last
+        return spent[0] >= last or done == step_budget
 
     def lr_factor(done: int) -> float:
         # called after step ``done``'s optimizer step, before ``step_done`` counts it
+        if step_budget is not None:
+            return schedule(done / step_budget)
         ahead = sum(batch_size * flop_model.flops(tokens_of(k)) for k in range(len(out.tokens_run), done))
         return schedule((spent[0] + ahead) / out.native_flops)
 
@@ -182,7 +189,7 @@ def run_to_budget(
         validate_if=at_point, stop_if=step_done, step_scope=twin, clock=clock,
         lr_factor=None if schedule is None else lr_factor,
     )  # fmt: skip
-    out.step_seconds = list(result.step_times)
+    out.step_seconds, out.deltas = list(result.step_times), result.deltas
     elapsed = list(itertools.accumulate(result.step_times))
     out.steps = [steps for _, steps, _ in result.val_curve]
     out.seconds = [elapsed[s - 1] if s else 0.0 for s in out.steps]

@@ -1,0 +1,156 @@
+"""benchmarks/bench_quality.py as docs/fidelity/quality/PROTOCOL.md (version 1) fixes it: the other
+margin, the strata and their training-law weights, the protocol-descent refusal, the summary's keys,
+and one tiny run end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parent.parent
+CONCEPT_MAP = ROOT / "docs" / "fidelity" / "lab_concept_n64_d8_n16" / "map.json"
+
+
+def _bench():
+    spec = importlib.util.spec_from_file_location("bench_quality", ROOT / "benchmarks" / "bench_quality.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["bench_quality"] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_other_margin_rule() -> None:
+    bench = _bench()
+    shares = {0.2: 0.1, 0.3: 0.1, 0.4: 0.15, 0.5: 0.2, 0.1: 0.05, 0.05: 0.0}
+    assert bench.other_margin(shares) == 0.4  # the first wider margin that routes another share
+    assert bench.other_margin({**shares, 0.4: 0.1, 0.5: 0.1}) == 0.1  # none wider: the first narrower
+    assert bench.other_margin({**shares, 0.4: 0.1, 0.5: 0.1, 0.1: 0.1}) == 0.05
+    assert bench.other_margin(dict.fromkeys(shares, 0.1)) is None  # none: the arm is not run
+
+
+def test_routed_share_is_the_law_mass_of_the_union_of_bands() -> None:
+    bench = _bench()
+    law = bench.training_law()
+    table = {"routes": [{"route": "256:192", "sigma_min": 0.65, "sigma_max": 0.95}, {"route": "256:224", "sigma_min": 0.5}]}
+    assert bench.bands(table) == [(0.65, 0.95), (0.5, 1.0)]
+    assert bench.routed_share(table) == pytest.approx(law.mass(0.5, 1.0, bench.NATIVE_LATENT))
+    assert bench.routed_share({"enable": False}) == 0 and bench.routed_share(None) == 0
+
+
+def test_concept_strata_add_the_midpoint_of_an_uncovered_routed_band() -> None:
+    bench = _bench()
+    arms = {"native": None, "default": {"routes": [{"route": "512:384", "sigma_min": 0.93, "sigma_max": 0.97}]},
+            "all0.5": {"routes": bench.ALL_HALF}}  # fmt: skip
+    assert bench.concept_sigmas(arms) == sorted([*bench.FIXED_SIGMAS, 0.95])
+    assert bench.concept_sigmas({"native": None, "seed_recipe": {"routes": bench.SEED_RECIPE}}) == list(bench.FIXED_SIGMAS)
+
+
+def test_training_law_weights_sum_to_one_and_match_the_trainers_sampler() -> None:
+    """The weights are the lab trainer's σ law's mass per cell: σ drawn by the trainer's own sampler
+    (``flux_train_utils``, the trainer's args) fall in each cell at that rate, within 4 standard errors."""
+    from downscale_plugin.lab import flux_train_utils
+    from downscale_plugin.lab.trainer import lab_args, make_noise_scheduler
+
+    bench = _bench()
+    sigmas = list(bench.FIXED_SIGMAS)
+    weights = np.array(bench.training_law_weights(sigmas))
+    assert weights.sum() == pytest.approx(1.0) and (weights >= 0).all()
+    args = lab_args()
+    n = 200_000
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(0)
+        drawn, _ = flux_train_utils._draw_sigmas(args, make_noise_scheduler(args), n, 64, 64, "cpu", torch.float32)
+    edges = [0.0, *((a + b) / 2 for a, b in zip(sigmas, sigmas[1:], strict=False)), 1.0]
+    observed = np.histogram(drawn.double().numpy(), bins=edges)[0] / n
+    assert np.all(np.abs(observed - weights) < 4 * np.sqrt(weights * (1 - weights) / n) + 1e-9)
+    assert weights.argmax() == sigmas.index(0.75)  # the shift puts the law's bulk high
+
+
+def test_a_code_revision_that_does_not_descend_from_the_protocol_is_refused(monkeypatch, capsys, tmp_path) -> None:
+    bench = _bench()
+    head = bench.code_state()["revision"]
+    assert bench.descends_from_protocol(head)
+    before = bench._git("rev-parse", f"{bench.protocol_revision()}~1").strip()
+    assert not bench.descends_from_protocol(before)
+    monkeypatch.setattr(bench, "code_state", lambda: {"revision": before, "uncommitted": ""})
+    args = bench.parse_args(["study", "--out", str(tmp_path)])
+    assert bench.launch(args, []) == 2
+    assert "does not descend from the protocol's" in capsys.readouterr().err
+    run = {"code": {"revision": before, "uncommitted": ""}}
+    assert "does not descend" in bench.stale_reason(run, {"revision": head, "uncommitted": ""})
+
+
+def _run(arm: str, seed: int, gain: float, lag: float, routed: bool) -> dict:
+    """A synthetic stored run: 5 points over one unit, 10 crops × 2 strata × 1 draw, L̄ falling by ``gain``."""
+    t = np.linspace(0, 1, 5)
+    rng = np.random.default_rng([seed, len(arm)])
+    items = [(1.0 - gain * min(x / (0.6 * lag), 1.0) + rng.normal(0, 0.002, (10, 2, 1))).flatten().round(7).tolist() for x in t]
+    curve = [{"step": int(8 * x), "flops": 8.0 * x, "cpu_s": 4.0 * x, "lbar": 0.0, "strata": [0.0, 0.0]} for x in t]
+    return {"arm": arm, "seed": seed, "settings": {"sigmas": [0.3, 0.9], "steps": 8, "val_per_bucket": 2, "val_seed": 0, "points": 4},
+            "weights": [0.4, 0.6], "items_shape": [10, 2, 1], "items": items, "curve": curve, "native_flops": 8.0,
+            "tokens_run": [4] * (16 if routed else 8), "routed": [0] * 16 if routed else [],
+            "code": {"revision": "abc", "uncommitted": ""}, "samples": {"spectrum_distance": list(rng.normal(1, 0.01, 8) + (0.2 * routed))}}  # fmt: skip
+
+
+def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
+    bench = _bench()
+    runs = {}
+    for seed in range(4):
+        runs["native", seed] = _run("native", seed, 0.1, 1.0, False)
+        runs["default", seed] = _run("default", seed, 0.1, 0.8, True)
+        runs["all0.5", seed] = _run("all0.5", seed, 0.05, 1.0, True)
+    tables = {"native": None, "default": {"routes": [{"route": "512:384", "sigma_min": 0.5}]}, "eps0.05": {"enable": False},
+              "all0.5": {"routes": bench.ALL_HALF}}  # fmt: skip
+    block = bench.summarize_concept("hatch", runs, tables)
+    assert block["task"] == {"name": "hatch", "kind": "fine_detail", "pretraining_overlap": False}
+    for key in ("native_gain_fraction", "native_last_quarter_fraction", "validation", "arms", "delta"):
+        assert key in block
+    assert block["validation"]["sigmas"] == [0.3, 0.9] and block["validation"]["items"]["crops"] == 10
+    assert block["arms"]["eps0.05"]["windowless"]
+    default = block["arms"]["default"]
+    for key in ("seeds", "code_revision", "steps_routed", "flops_saved_per_step", "time_to_quality", "equal_compute",
+                "equal_compute_by_sigma", "sample_metric", "decision", "sooner"):  # fmt: skip
+        assert key in default, key
+    assert set(default["time_to_quality"]) == {"flops", "cpu"}
+    assert set(default["time_to_quality"]["flops"]) == {"ratio", "lo", "hi", "reached", "seeds"}
+    assert [s["sigma"] for s in default["equal_compute_by_sigma"]] == [0.3, 0.9]
+    assert default["steps_routed"] == 1.0 and default["flops_saved_per_step"] == pytest.approx(0.5)
+    assert 0.6 < default["time_to_quality"]["flops"]["ratio"] < 0.9 and default["decision"] == "non-inferior"  # 0.8 off a 5-point grid
+    control = block["arms"]["all0.5"]
+    assert control["decision"] == "fails" and control["sample_metric"]["lo"] > 0 and block["control_informative"]
+    assert block["delta"] == pytest.approx(0.01, rel=0.1)
+    summary = {"protocol_revision": "p", "default_margin": None, "default_margin_why": "x", "schedule": "flops", "code_revision": "c",
+               "command": "c", "concepts": {"hatch": block}}  # fmt: skip
+    assert "| hatch | default |" in bench.report(summary)
+    assert bench.default_margin({"hatch": block}, ["hatch", "subject"])["value"] is None  # a concept missing
+
+
+@pytest.mark.long
+def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
+    """Windows from the stored concept map, two arms of one seed at tiny settings on the shipped base
+    (``concept``: the hatch's data until the concepts are renamed), summary and report."""
+    bench = _bench()
+    monkeypatch.setattr(bench, "CONCEPTS", {"concept": "fine_detail"})
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        choice = bench.derive_windows("concept", CONCEPT_MAP, tmp_path)
+        assert choice["other"] is not None and (tmp_path / "windows" / "concept_eps0.2.toml").is_file()
+        argv = ["study", "--concepts", "concept", "--out", str(tmp_path), "--windows", str(tmp_path), "--steps", "2", "--points", "1",
+                "--val_per_bucket", "1", "--val_draws", "1", "--samples", "1", "--arms", "native,all0.5", "--seeds", "0"]  # fmt: skip
+        args = bench.parse_args(argv)
+        bench.work(args)
+    finally:
+        torch.set_num_threads(threads)
+    run = json.loads((tmp_path / "runs" / "concept" / "all0.5_s0.json").read_text())
+    assert run["protocol_revision"] == bench.protocol_revision() and run["code"]["revision"]
+    assert len(run["items"][0]) == 5 * 9 and len(run["samples"]["spectrum_distance"]) == 1
+    summary = bench.summarize(args, argv)
+    assert summary["protocol_revision"] and summary["default_margin"] is None
+    assert "all0.5" in summary["concepts"]["concept"]["arms"] and bench.refusals(args, bench.planned_runs(args)) == []

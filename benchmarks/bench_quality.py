@@ -4,8 +4,8 @@
 Per concept (``lab.concept.task_data``) and seed, every arm is a twin of the native run
 (``hosts/lab/twin.py``) on the shipped multi-size base (``lab.base.load_base("multires")``), trained to
 one unit of the native twin's training FLOPs over S steps with the learning rate cosine over the FLOPs
-spent (``--schedule steps``: the sensitivity analysis, cosine over S steps), validated at 16 points per
-unit on held-out crops at every σ stratum (the protocol's nine plus the midpoint of each routed band
+spent (``--schedule steps``: the sensitivity analysis, cosine over S steps), validated at 8 points per
+unit on held-out crops at every σ stratum (the protocol's eight plus the midpoint of each routed band
 that holds none), every item's loss stored; at the end, 8 samples (``lab/generate.py``) and their
 spectrum distance to the held-out images. Arms: ``native``, ``default`` (the concept map's windows at
 ε = 0.2), ``eps<X>`` (the other margin, chosen by ``windows``), ``seed_recipe``, ``all0.5``.
@@ -41,7 +41,7 @@ OUT = ROOT / "docs" / "fidelity" / "quality"
 PROTOCOL = "docs/fidelity/quality/PROTOCOL.md"
 
 CONCEPTS = {"hatch": "fine_detail", "subject": "subject", "style": "style"}  # PROTOCOL §2, in its order: name → task.kind
-FIXED_SIGMAS = (0.05, 0.15, 0.3, 0.45, 0.6, 0.75, 0.85, 0.925, 0.975)  # PROTOCOL §3
+FIXED_SIGMAS = (0.05, 0.2, 0.4, 0.6, 0.75, 0.85, 0.925, 0.975)  # PROTOCOL §3
 DEFAULT_MARGIN = 0.2
 OTHER_MARGINS = ((0.3, 0.4, 0.5), (0.1, 0.05))  # PROTOCOL §4: the first that routes another share, wider first
 SEEDS = tuple(range(16))
@@ -751,7 +751,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--windows", default=str(OUT), help="the folder holding windows/ (default: --out's protocol folder)")
     # Smoke settings only: a run records them, so a smoke run is never mistaken for the protocol's.
     parser.add_argument("--steps", type=int, default=0, help=argparse.SUPPRESS)
-    parser.add_argument("--points", type=int, default=16, help=argparse.SUPPRESS)
+    parser.add_argument("--points", type=int, default=8, help=argparse.SUPPRESS)
     parser.add_argument("--val_per_bucket", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--val_draws", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--samples", type=int, default=len(SAMPLE_SEEDS), help=argparse.SUPPRESS)

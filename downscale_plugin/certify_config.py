@@ -67,7 +67,7 @@ class CertifyConfig:
         0,
         "int",
         (0, 16),
-        "pruned bins (between two of a route's bins confirmed unsafe) tested after the search: a one-hump check that spends budget "
+        "pruned bins (between two of a route's bins that ended unsafe or futile) tested after the search: a one-hump check that spends budget "
         "and never opens a window",
     )
     resume: str | None = setting(

@@ -238,6 +238,16 @@ def test_the_safe_read_holds_its_level_on_the_labs_skewed_excess_and_spends_it_o
     assert Looks((4, 8, 16), safe_from=8).c_safe(16, 0.01, 0.05) == safe_quantile(0.005, 16, 0.05)
 
 
+def test_the_certify_commands_default_looks_are_the_certifiers():
+    import argparse
+
+    from downscale_plugin.mapping import certify_cli
+
+    parser = argparse.ArgumentParser()
+    certify_cli.add_arguments(parser)
+    assert certify_cli._looks(parser.get_default("looks"), 0.05, None) == Looks()
+
+
 def test_verdicts_at_a_look():
     looks = Looks((4, 8), 0.05, safe_from=4)
     assert verdict(read([0.0, 0.002, 0.0, 0.002], looks, 0.05, 0.05), 0.05, looks, 0.05) == SAFE
@@ -273,30 +283,32 @@ HUMP_FIRST = {4: 0.35, 3: 0.25, 1: 0.2, 0: 0.12, 2: 0.08}  # σ mass per bin of 
 
 
 def test_a_low_sigma_window_is_certified_from_evidence_safe_only_there():
-    """Safe only in the two lowest bins, clearly unsafe above (the plan tests the top first): the chain from the
-    lowest bin up certifies (0, 0.7] on its own evidence, and the windows file routes it from σ > 0. Before, the top
-    bin confirmed unsafe pruned every bin below it and nothing was certified."""
+    """Safe only in the two lowest bins, clearly unsafe above (the plan tests the top first): each unsafe bin stops
+    at the first look (2 images: futile, the t bound cannot confirm there), the chain from the lowest bin up
+    certifies (0, 0.7] on its own evidence, and the windows file routes it from σ > 0. Before, the top bin confirmed
+    unsafe pruned every bin below it and nothing was certified."""
     gaps = _profile(ROUTE.name, [0.3, 0.3, 0.3, 0.005, 0.005])
     source = SyntheticDraws(gaps, 16, rho=0.9, seed=5, spread=0.005)
     result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=1), mass=_by_bin(TOP_HEAVY))
     assert result.provenance["code_revision"] == code_revision()
     rows = {t.bin: t for t in result.rows(ROUTE)}
-    assert [rows[b].verdict for b in (4, 3, 2)] == [UNSAFE] * 3 and all(rows[b].bound.n == 4 for b in (4, 3, 2))  # first look
+    assert [rows[b].verdict for b in (4, 3, 2)] == [FUTILE] * 3 and all(rows[b].bound.n == 2 for b in (4, 3, 2))  # first look
     assert rows[1].safe and rows[0].safe and rows[0].bound.n == 16
-    assert not any(t.spot for t in result.tests)  # nothing lies between two unsafe bins
+    assert not any(t.spot for t in result.tests)  # nothing lies between two futile bins
     result.provenance["backend"] = {"arch": "flux", "native_latent_hw": [64, 64]}
     routes = toml.loads(windows_toml(result))["routes"]
     assert len(routes) == 1 and routes[0]["sigma_min"] == 0.0 and routes[0]["sigma_max"] == pytest.approx(0.7)
 
 
-def test_only_bins_between_two_confirmed_unsafe_bins_are_pruned_and_spot_checked():
-    """One hump (bins 1-3 unsafe, the ends safe): once bins 3 and 1 are confirmed unsafe, bin 2 between them is not
-    tested (a spot check reads it, unsafe); the lowest bin, below a single unsafe bin, is tested and safe."""
+def test_only_bins_between_two_bins_ended_not_safe_are_pruned_and_spot_checked():
+    """One hump (bins 1-3 unsafe, the ends safe): once bins 3 and 1 have ended not safe at the first look (futile at 2
+    images), bin 2 between them is not tested (a spot check reads it, not safe); the lowest bin, below a single such
+    bin, is tested and safe."""
     gaps = _profile(ROUTE.name, [0.005, 0.3, 0.3, 0.3, 0.005])
     source = SyntheticDraws(gaps, 16, rho=0.9, seed=5, spread=0.005)  # images alike: the search's mechanics, not the bound's power
     result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=1), mass=_by_bin(HUMP_FIRST))
     rows = {t.bin: t for t in result.rows(ROUTE)}
-    assert rows[4].safe and rows[0].safe and rows[3].verdict == rows[1].verdict == UNSAFE
+    assert rows[4].safe and rows[0].safe and rows[3].verdict == rows[1].verdict == FUTILE
     assert rows[2].spot and rows[2].verdict == UNSAFE and not rows[2].safe
     assert [t.bin for t in result.tests if not t.spot] == [4, 3, 1, 0]  # plan order; bin 2 never in the search
     assert result.spent == pytest.approx(sum(t.cost for t in result.tests) + 4 * source.calls)
@@ -304,18 +316,57 @@ def test_only_bins_between_two_confirmed_unsafe_bins_are_pruned_and_spot_checked
     assert none.rows(ROUTE)[2].verdict == UNTESTED
 
 
-def test_a_safe_spot_check_between_two_unsafe_bins_is_reported_and_never_routed():
-    """Two humps (safe, unsafe, safe, unsafe, safe from the top): bin 2, between two bins confirmed unsafe, is pruned;
-    its spot check reads safe, is reported as a second hump and never routed; the windows file routes the two ends."""
+def test_a_pruned_bin_between_two_futile_bins_is_never_safe_nor_routed():
+    """Two humps (safe, unsafe, safe, unsafe, safe from the top): bins 3 and 1 end futile at the first look, so bin 2
+    between them is pruned although it is safe (the one-hump assumption's price: a window, never soundness). Its spot
+    check reads safe, is reported as a second hump and never routed; without spot checks it is untested; either way
+    the windows file routes the two ends only."""
     gaps = _profile(ROUTE.name, [0.005, 0.3, 0.005, 0.3, 0.005])
-    source = SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005)
-    result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=2), mass=_by_bin(HUMP_FIRST))
+    for spot_checks in (2, 0):
+        source = SyntheticDraws(gaps, 16, rho=0.9, seed=8, spread=0.005)
+        settings = CertifySettings(margin=0.05, budget=10_000, spot_checks=spot_checks)
+        result = run_certify(source, [ROUTE], BINS, settings, mass=_by_bin(HUMP_FIRST))
+        rows = {t.bin: t for t in result.rows(ROUTE)}
+        assert rows[3].verdict == rows[1].verdict == FUTILE and rows[3].bound.n == rows[1].bound.n == 2
+        assert rows[4].safe and rows[0].safe and not rows[2].safe and {b for b, t in rows.items() if t.safe} == {0, 4}
+        if spot_checks:
+            assert rows[2].spot and rows[2].verdict == SPOT_SAFE
+            assert any("more than one hump" in n and "not routed" in n for n in result.notes)
+        else:
+            assert rows[2].verdict == UNTESTED and not rows[2].values
+        result.provenance["backend"] = {"arch": "flux", "native_latent_hw": [64, 64]}
+        routes = toml.loads(windows_toml(result))["routes"]
+        assert [(r["sigma_min"], r.get("sigma_max")) for r in routes] == [(0.0, 0.5), (0.95, 1.0)]
+
+
+FUTILE_FIRST = {4: 0.35, 2: 0.25, 1: 0.2, 3: 0.1, 0: 0.1}  # σ mass per bin of BINS: the plan runs 4, 2, 1, 3, then 0
+
+
+def test_a_bin_between_two_futile_bins_is_pruned_and_one_futile_bin_prunes_nothing():
+    """Bins 4 and 2 clearly unsafe, the rest safe, looks from 2 images: both stop futile at 2 images (the t bound at
+    α/4 and 1 degree of freedom cannot confirm them), and bin 3 between them is not tested, though safe: pruning on
+    futile brackets costs that window, never soundness. Bins 1 and 0, below one futile bin and above none, are tested
+    and safe."""
+    gaps = _profile(ROUTE.name, [0.3, 0.005, 0.3, 0.005, 0.005])
+    source = SyntheticDraws(gaps, 16, rho=0.9, seed=0, spread=0.005)
+    settings = CertifySettings(margin=0.05, looks=Looks((2, 4, 8, 16)), budget=10_000, spot_checks=0)
+    result = run_certify(source, [ROUTE], BINS, settings, mass=_by_bin(FUTILE_FIRST))
     rows = {t.bin: t for t in result.rows(ROUTE)}
-    assert rows[4].safe and rows[0].safe and rows[2].spot and rows[2].verdict == SPOT_SAFE and not rows[2].safe
-    assert any("more than one hump" in n and "not routed" in n for n in result.notes)
-    result.provenance["backend"] = {"arch": "flux", "native_latent_hw": [64, 64]}
-    routes = toml.loads(windows_toml(result))["routes"]
-    assert [(r["sigma_min"], r.get("sigma_max")) for r in routes] == [(0.0, 0.5), (0.95, 1.0)]
+    assert rows[4].verdict == rows[2].verdict == FUTILE and rows[4].bound.n == rows[2].bound.n == 2
+    assert rows[3].verdict == UNTESTED and not rows[3].values and not rows[3].safe
+    assert rows[1].safe and rows[0].safe and [t.bin for t in result.tests if t.values] == [4, 2, 1, 0]
+
+
+def test_the_default_first_look_is_at_2_images_where_a_clearly_unsafe_bin_stops():
+    """The default schedule reads a bin at 2, 4, 8 and 16 images (the lower bound at α/4 per look): a bin whose every
+    image's excess is 6 ε stops at 2 images, not safe, and costs 2 images' draws (2 × D × (1 + the route's pass))."""
+    assert DEFAULT_LOOKS.at == (2, 4, 8, 16) and DEFAULT_LOOKS.level == pytest.approx(0.05 / 4)
+    source = SyntheticDraws(_profile(ROUTE.name, [0.3] * 5), 16, rho=0.9, seed=3, spread=0.005)
+    top_only = lambda lo, hi: 1.0 if lo >= 0.95 else 0.0  # noqa: E731
+    result = run_certify(source, [ROUTE], BINS, CertifySettings(margin=0.05, budget=10_000, spot_checks=0), mass=top_only)
+    (test,) = [t for t in result.tests if t.values]
+    assert test.bin == 4 and test.verdict in (UNSAFE, FUTILE) and test.bound.n == len(test.values) == 2
+    assert result.spent == pytest.approx(2 * source.n_draws * (1 + ROUTE.ratio**2)) and source.calls == 2
 
 
 def test_the_budget_is_never_exceeded_and_open_tests_end_not_safe():
@@ -562,7 +613,7 @@ def test_each_route_is_budgeted_on_its_own():
 
 def test_a_futile_top_bin_keeps_the_routes_lower_bins():
     """The heaviest (top) bin is read futile (its mean just over ε): the route's lower bins are tested all the same
-    and come out safe; only a bin confirmed unsafe ends the search below it. In a run too, once a safe window has won
+    and come out safe; a single bin not safe prunes nothing (pruning needs one on each side). In a run too, once a safe window has won
     back what the futile test spent (a heavy lowest bin, tested first)."""
     gaps = _profile(ROUTE.name, [0.06, 0.005, 0.005, 0.005, 0.005])
     source = SyntheticDraws(gaps, 16, rho=0.9, seed=4, spread=0.005)
@@ -576,11 +627,11 @@ def test_a_futile_top_bin_keeps_the_routes_lower_bins():
 
 
 def test_after_a_failed_first_test_no_test_starts_that_would_risk_more_than_the_stake():
-    """Nothing safe: the first test (100 to a safe read: the plan's stake) stops at its first look (25); every other
-    test would put 25 + 100 at risk, more than the stake, and does not start. Everything safe: each safe window wins
+    """Nothing safe: the first test (100 to a safe read: the plan's stake) stops at its first look (2 images: 12.5);
+    every other test would put 12.5 + 100 at risk, more than the stake, and does not start. Everything safe: each safe window wins
     back more than its evidence, so the search goes on within the budget."""
     nothing = _horizon_run(_profile(ROUTE.name, [0.3] * 5), 10_000.0)
-    assert nothing.spent == pytest.approx(25.0) and not nothing.safe_tests()
+    assert nothing.spent == pytest.approx(12.5) and not nothing.safe_tests()
     assert {t.verdict for t in nothing.tests} == {UNSAFE, STAKE} and any(n.startswith("stake") for n in nothing.notes)
     everything = _horizon_run(_profile(ROUTE.name, [0.005] * 5), 10_000.0, budget=350.0)
     assert len(everything.safe_tests()) == 3 and everything.spent == pytest.approx(300.0)
@@ -599,7 +650,7 @@ def _three_routes(gaps: dict, seed: int = 9):
 
 def test_a_deeper_routes_failure_blocks_no_milder_route():
     """0.5 unsafe everywhere; 0.75 safe on the top two bins, 0.875 on the top three. The plan's first test, 0.5 on the top
-    bin, fails at its first look (20): that is 0.5's own loss, within its own stake (80), and stops no other route, so 0.75
+    bin, fails at its first look (10): that is 0.5's own loss, within its own stake (80), and stops no other route, so 0.75
     certifies the top two bins and 0.875 the third (where 0.75 is unsafe); only 0.5's own further tests end at ``stake``
     (a single unsafe bin prunes nothing: the one-hump rule needs two)."""
     mild, mid, deep = latent_arm(0.875), latent_arm(0.75), latent_arm(0.5)
@@ -658,7 +709,7 @@ def test_the_plan_orders_by_saving_per_cost_and_names_its_best_and_worst_case():
     text = "\n".join(plan.lines(bins, 1016))
     assert "best case" in text and "net +590.0" in text and "break-even" in text
     assert "worst case: net -193.0 (-19.00 %): every route's stake lost (latent_0.5 80.0, latent_0.875 113.0)" in text
-    assert "expected spend: 48.2 if every route's first test is clearly not safe (its first look), 160.0 if every test is safe" in text
+    assert "expected spend: 24.1 if every route's first test is clearly not safe (its first look), 160.0 if every test is safe" in text
     held = plan_tests([mild, deep], bins, CertifySettings(budget=150.0, horizon=1000.0), mass, lambda arm: arm.ratio**2)
     assert held.stake == pytest.approx(150.0) and "held to the budget 150" in "\n".join(held.lines(bins, 1016))
 

@@ -179,7 +179,7 @@ def test_a_later_run_continues_the_evidence(tmp_path):
     ("config", "argv", "message"),
     [
         ({"certify_budget": 0.04}, (), r"costs 40.0 native-step equivalents; certify_budget 0.04 of the run's 192 passes is 7.7"),
-        # a budget for the first look (10) but not for one safe verdict (40): it could only be spent
+        # a budget for the first look (5: 2 images) but not for one safe verdict (40): it could only be spent
         ({"certify_budget": 0.15}, (), r"costs 40.0 .* is 28.8. What would pay: certify_budget >= 0.208"),
         ({}, ("--dataset_size", "8"), "probes: the dataset has 8 distinct images; 16 probes must be 16 distinct images"),
         ({}, ("--max_train_steps", "3"), "probes: 16 probes need 4 train batches of 4, but the run has 3"),

@@ -18,14 +18,17 @@ the certifier spends evidence only where a verdict is still open and worth havin
   own mass × saving per cost; only exact ties go to the higher bin). A bin the sampler never draws (σ = 1
   under a continuous law) is never tested, it routes nothing; a milder route is not tested on a bin a
   deeper route is already safe on (its rule comes first).
-- **Prune only between confirmed excess**: a futile or inconclusive bin ends nothing else; a bin between
-  two bins of its route confirmed unsafe (lower bound above ε) is not tested. This assumes the excess has
-  one hump in σ (the lab maps: highest in the middle, lower at both ends, docs/FIDELITY.md §4), so the bins
-  above ε form one interval; untested bins are not safe, so a wrong assumption costs windows, never
-  soundness. The cost: one confirmed-unsafe bin no longer prunes the bins below it, so a route unsafe on
-  one side is tested bin by bin there (a clearly unsafe bin stops at the first look, and in a run the
-  stake caps what is at risk). ``spot_checks`` of pruned bins are tested all the same once the search is
-  done; one that comes out safe is reported as a second hump and never routed (``Verdicts``).
+- **Prune between two bins that ended not safe at a look**: an inconclusive bin ends nothing else; a bin between
+  two bins of its route that ended ``unsafe`` (lower bound above ε) or ``futile`` (projected unable to read safe) is
+  not tested. This assumes the excess has one hump in σ (the lab maps: highest in the middle, lower at both ends,
+  docs/FIDELITY.md §4), so the bins above ε form one interval. A futile bracket counts because the first look is
+  at 2 images, where the t lower bound (at α/K, 1 degree of freedom) almost never confirms excess: a clearly unsafe
+  bin stops there futile, and brackets of confirmed excess alone would prune almost nothing. A futile bin's mean may
+  still lie under ε (a heavy probe among few), so this prunes some bins that are safe: it costs power (windows),
+  never soundness, since untested bins are never safe. A single bracket prunes nothing: a route not safe on one side
+  is tested bin by bin there (a clearly unsafe bin stops at the first look, and in a run the stake caps what is at
+  risk). ``spot_checks`` of pruned bins are tested all the same once the search is done; one that comes out safe
+  is reported as a second hump and never routed (``Verdicts``).
 - **Safe only on the whole image pool**: a bin ends safe only at ``Looks.safe_from`` images (default
   the last look, the full map's N); earlier looks stop it only toward not-safe (``sequential.py``).
 - **Only evidence that can pay** (in a training run, ``CertifySettings.horizon`` = the passes the
@@ -68,7 +71,7 @@ from .arms import PLAIN, Arm, MapBackend
 from .estimator import arm_key, param_grads
 from .paired import coupled_small_noise, injected_noise
 from .safe_read import SAFE_READ
-from .sequential import SAFE, UNSAFE, Bound, Family, Grads, Looks, PairedSums, describe_safe_read, read, verdict
+from .sequential import FUTILE, SAFE, UNSAFE, Bound, Family, Grads, Looks, PairedSums, describe_safe_read, read, verdict
 from .windows import measured_tiers, probe_header, render_windows, stack_windows, tier_entries, utc_now
 
 BUDGET, UNTESTED = "budget", "untested"  # verdicts of tests the certifier did not finish / never ran
@@ -624,14 +627,19 @@ class Certifier:
         return None
 
     def _pruned(self, p: Planned) -> bool:
-        """Between two bins of its route confirmed unsafe (lower bound above ε): the excess is taken to have one hump
-        in σ, so the bins it is above ε on are one interval and the bin is not tested (a futile or inconclusive bin
-        prunes nothing; the σ = 1 endpoint, its own estimand, brackets nothing)."""
+        """Between two bins of its route that ended ``unsafe`` or ``futile``: the excess is taken to have one hump in σ,
+        so the bins it is above ε on are one interval and the bin is not tested. Futile brackets too: at the first look
+        (2 images) the lower bound almost never confirms excess, so a clearly unsafe bin stops futile there, and
+        confirmed brackets alone would prune almost nothing. A futile bin may be safe (a heavy probe among few), so this
+        can prune safe bins: it costs power, never soundness (an untested bin is never safe). An inconclusive bin
+        brackets nothing, nor does the σ = 1 endpoint (its own estimand)."""
         lo, hi = self.bins.bounds(p.bin)
-        unsafe = [
-            t for t in self.tests if t.route == p.route.name and t.verdict == UNSAFE and not t.spot and not self.bins.is_endpoint(t.bin)
+        brackets = [
+            t
+            for t in self.tests
+            if t.route == p.route.name and t.verdict in (UNSAFE, FUTILE) and not t.spot and not self.bins.is_endpoint(t.bin)
         ]
-        return any(t.hi <= lo for t in unsafe) and any(t.lo >= hi for t in unsafe)
+        return any(t.hi <= lo for t in brackets) and any(t.lo >= hi for t in brackets)
 
     # -- the search ---------------------------------------------------------------------------------
 
@@ -672,7 +680,7 @@ class Certifier:
         return t is not None and not t.open
 
     def _spot_checks(self) -> None:
-        """``spot_checks`` bins evenly spread over each route's pruned bins (between two confirmed unsafe), within the budget."""
+        """``spot_checks`` bins evenly spread over each route's pruned bins (between two ended unsafe or futile), within the budget."""
         for arm in self.routes:
             pruned = [
                 p.bin
@@ -718,7 +726,7 @@ class Certifier:
         for t in self.tests:
             if t.verdict == SPOT_SAFE:
                 self.notes.append(
-                    f"{t.route} {self.bins.label(t.bin)}: a spot check between two bins confirmed unsafe is safe: the excess has more "
+                    f"{t.route} {self.bins.label(t.bin)}: a spot check between two bins that ended unsafe or futile is safe: the excess has more "
                     "than one hump in σ there; not routed, the bins pruned around it were not tested"
                 )
 

@@ -56,7 +56,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--alpha", type=float, default=0.05, help="family-wise false-safe level over every route and bin (default 0.05)")
     parser.add_argument("--draws", type=int, default=4, help="paired draws per (image, bin), >= 2 (default 4)")
     parser.add_argument(
-        "--looks", default="4,8,16", help="image counts at which a bin's bound is read; the last is the image pool (default 4,8,16)"
+        "--looks",
+        default="2,4,8,16",
+        help="image counts at which a bin's bound is read, the first >= 2; the last is the image pool (default 2,4,8,16)",
     )
     parser.add_argument(
         "--safe_from",
@@ -64,7 +66,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="the first look that may end a bin safe (default: the last; earlier safe reads miss skewed tails, docs/FIDELITY.md §9.3)",
     )
     parser.add_argument("--budget", type=float, default=300.0, help="native-step-equivalent passes at most (default 300)")
-    parser.add_argument("--spot_checks", type=int, default=2, help="pruned bins tested per route, between two confirmed unsafe (default 2)")
+    parser.add_argument(
+        "--spot_checks", type=int, default=2, help="pruned bins tested per route, between two ended unsafe or futile (default 2)"
+    )
     parser.add_argument(
         "--unpaired", action="store_true", help="draw the route's noise independently (the baseline paired noise is measured against)"
     )

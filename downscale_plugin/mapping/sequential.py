@@ -29,7 +29,10 @@ Looks. Evidence arrives image by image and a bin stops as soon as its verdict is
 ``safe`` only from ``Looks.safe_from`` images on (default: the last look); earlier looks stop it only
 toward not-safe (``unsafe``, ``futile``), which no tail can make optimistic, so a test's false-safe level is
 spent on its safe-readable looks alone (split equally over them). The lower bound behind ``unsafe`` (an
-error there costs a window, never soundness) is the t bound at α/K per look.
+error there costs a window, never soundness) is the t bound at α/K per look, K the number of looks. The
+default looks are 2, 4, 8, 16 (K = 4, α/K = 0.0125): the first at 2 images makes a clearly not-safe bin cost
+2 images' draws, an eighth of a safe read; there the t bound (1 degree of freedom) rarely confirms excess, so
+such a bin often stops ``futile`` (``certify.py`` prunes between futile bins as between unsafe ones).
 
 The safe read. Per-image excess is right-skewed (on the lab a few textures carry 3–20 × the median), and
 a probe set that misses the tail has a small mean *and* a small SD, so the normal t bound reads such a bin
@@ -147,9 +150,10 @@ class PairedSums:
 
 @dataclass(frozen=True)
 class Looks:
-    """A look schedule (images at which a bin's bound is read) and the lower bound's one-sided level α."""
+    """A look schedule (images at which a bin's bound is read) and the lower bound's one-sided level α; the default's
+    first look, 2 images, is where a clearly not-safe bin stops (see the module docstring)."""
 
-    at: tuple[int, ...] = (4, 8, 16)
+    at: tuple[int, ...] = (2, 4, 8, 16)
     alpha: float = 0.05
     safe_from: int | None = None  # the first look that may end a bin safe (None: the last); see the module docstring
 

@@ -4,7 +4,7 @@
     python benchmarks/bench_certify_bound.py --reps 160 --out docs/fidelity/certify_bound   # 19 CPU minutes
 
 Every simulated run IS a certification: ``certify.run_certify`` with the default settings (ε =
-``certify_config.DEFAULT_MARGIN``, D = 4, looks 4/8/16, family-wise α = 0.05, the default 14 bins with σ mass, routes
+``certify_config.DEFAULT_MARGIN``, D = 4, looks 2/4/8/16, family-wise α = 0.05, the default 14 bins with σ mass, routes
 0.875 / 0.75 / 0.5), its plan built by ``plan_tests`` from Flux's ``flux_shift`` σ mass at 1024² (latent 128×128) and
 the Flux FLOP model's pass costs (as benchmarks/bench_certify_economics.py), over a synthetic ``DrawSource`` whose
 per-image excess is the truth population. Two modes:
@@ -381,13 +381,13 @@ def subpopulation(p: float, level: float, rng: np.random.Generator, reps: int, n
 
 
 def probe_table(pops: Sequence[Law], level: float, rng: np.random.Generator, reps: int) -> dict[str, dict[str, float]]:
-    """One test's safe rate at ``level`` against the probes it reads (looks n/4, n/2, n), at means ε/8, ε/4, ε/2."""
+    """One test's safe rate at ``level`` against the probes it reads (looks n/8, n/4, n/2, n: the default's shape), at means ε/8, ε/4, ε/2."""
     table = {}
     for pop in pops:
         for frac in (1 / 8, 1 / 4, 1 / 2):
             row = {}
             for n in (16, 32, 64):
-                looks = Looks((n // 4, n // 2, n), ALPHA)
+                looks = Looks((n // 8, n // 4, n // 2, n), ALPHA)
                 z = rng.standard_normal((reps, n))
                 row[f"{n} probes"] = float(np.mean([sequential_safe(pop.values(r, frac * MARGIN), level, looks) for r in z]))
             table[f"{pop.name} at ε/{round(1 / frac)}"] = row
@@ -514,7 +514,7 @@ def main() -> None:
             fmt_table(f"One test at a mean of 1.01 ε, read at the first test's level {head:.4f} (i.i.d. probes, exact)", single),
             f"lab sets ({len(sets)}, resampled, 400 tests each): mean per-test false-safe at that level = "
             f"{np.mean([r for r, _ in per_set]):.4f}; worst set {max(per_set)[0]:.4f} (its values: {np.round(np.sort(worst), 3).tolist()})",
-            fmt_table(f"Probes a safe verdict needs: one test's safe rate at level {head:.4f} by probes read (looks n/4, n/2, n)", probes),
+            fmt_table(f"Probes a safe verdict needs: one test's safe rate at level {head:.4f} by probes read (looks n/8, n/4, n/2, n)", probes),
             fmt_table(
                 "Outside the claim: a share p of images carries the mean, the rest at ε/4; any rule's floor is (1 − p)^16 × its power on the bulk",
                 outside,

@@ -10,7 +10,7 @@ sits in and records that checkout's revision.
 
 A run of 3 000 single-sample passes at 1024² (latent 128×128), default settings (``in_run.in_run_setup`` on the default
 config: routes 0.875 / 0.75 / 0.5, the default bins, the default ε (``certify_config.DEFAULT_MARGIN``), D = 4, looks
-4/8/16, ``certify_budget`` 0.1), for
+2/4/8/16, ``certify_budget`` 0.1), for
 
 - ``flux``: route pass costs from the Flux step FLOP model (``arch.get_arch("flux").flops``, 0.747 / 0.547 / 0.273),
   σ from sd-scripts' ``flux_shift`` (μ = 1.15 at 4 096 packed tokens, the same law as ``shift`` 3.1582 there);

@@ -514,7 +514,9 @@ def main() -> None:
             fmt_table(f"One test at a mean of 1.01 ε, read at the first test's level {head:.4f} (i.i.d. probes, exact)", single),
             f"lab sets ({len(sets)}, resampled, 400 tests each): mean per-test false-safe at that level = "
             f"{np.mean([r for r, _ in per_set]):.4f}; worst set {max(per_set)[0]:.4f} (its values: {np.round(np.sort(worst), 3).tolist()})",
-            fmt_table(f"Probes a safe verdict needs: one test's safe rate at level {head:.4f} by probes read (looks n/8, n/4, n/2, n)", probes),
+            fmt_table(
+                f"Probes a safe verdict needs: one test's safe rate at level {head:.4f} by probes read (looks n/8, n/4, n/2, n)", probes
+            ),
             fmt_table(
                 "Outside the claim: a share p of images carries the mean, the rest at ε/4; any rule's floor is (1 − p)^16 × its power on the bulk",
                 outside,

@@ -680,7 +680,7 @@ class Certifier:
         return t is not None and not t.open
 
     def _spot_checks(self) -> None:
-        """``spot_checks`` bins evenly spread over each route's pruned bins (between two ended unsafe or futile), within the budget."""
+        """``spot_checks`` bins evenly spread over each route's pruned bins (between two that ended unsafe or futile), within the budget."""
         for arm in self.routes:
             pruned = [
                 p.bin

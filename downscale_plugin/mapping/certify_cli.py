@@ -67,7 +67,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--budget", type=float, default=300.0, help="native-step-equivalent passes at most (default 300)")
     parser.add_argument(
-        "--spot_checks", type=int, default=2, help="pruned bins tested per route, between two ended unsafe or futile (default 2)"
+        "--spot_checks", type=int, default=2, help="pruned bins tested per route, between two bins that ended unsafe or futile (default 2)"
     )
     parser.add_argument(
         "--unpaired", action="store_true", help="draw the route's noise independently (the baseline paired noise is measured against)"

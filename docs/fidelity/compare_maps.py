@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import sys
 
-from downscale_plugin.mapping.estimator import Cell, _mean_se, excess, interval
+from downscale_plugin.certify_config import DEFAULT_MARGIN
+from downscale_plugin.mapping.estimator import Cell, MapResult, _mean_se, excess, interval
+from downscale_plugin.mapping.windows import stack_windows
 
 
 def load(path: str) -> tuple[dict, dict[tuple[int, int], Cell]]:
@@ -44,26 +46,27 @@ def main(old_path: str, new_path: str) -> None:
             print(f"  {label:16s} {mean:+.3f} ± {se:.3f} [{lo:+.3f}, {hi:+.3f}]  n={n}")
 
 
-def side_by_side(old_path: str, new_path: str) -> None:
+def side_by_side(old_path: str, new_path: str, margin: float = DEFAULT_MARGIN) -> None:
+    """Both maps re-read by today's safe read at one margin (their stored verdicts may be at others)."""
     old_blob, new_blob = json.load(open(old_path)), json.load(open(new_path))
-    if old_blob["bins"] != new_blob["bins"] or old_blob["settings"] != new_blob["settings"]:
+    same = lambda blob: {k: v for k, v in blob["settings"].items() if k != "margin"}  # noqa: E731
+    if old_blob["bins"] != new_blob["bins"] or same(old_blob) != same(new_blob):
         sys.exit("the maps have different bins or settings: not comparable side by side")
+    results = [MapResult.from_json(blob, margin=margin) for blob in (old_blob, new_blob)]
     edges = new_blob["bins"]["edges"]
-    rows = {(r["arm"], r["bin"]): r for r in old_blob["rows"]}, {(r["arm"], r["bin"]): r for r in new_blob["rows"]}
-    cell = lambda r: f"{r['excess']:+.3f} ± {r['se']:.3f} (ub {r['ub']:.3f}{', safe' if r['safe'] else ''})"  # noqa: E731
-    print("| arm | σ bin | OLD excess ± SE (ub) | NEW excess ± SE (ub) |\n|---|---|---|---|")
+    rows = [{(r.arm, r.bin): r for r in result.rows} for result in results]
+    cell = lambda r: f"{r.excess:+.3f} ± {r.se:.3f} (ub {r.ub:.3f}{', safe' if r.safe else ''})"  # noqa: E731
+    print(f"re-read at ε = {margin:g}\n\n| arm | σ bin | OLD excess ± SE (ub) | NEW excess ± SE (ub) |\n|---|---|---|---|")
     for arm, b in sorted(rows[0].keys() & rows[1].keys()):
         label = f"({edges[b]:.3g}, {edges[b + 1]:.3g}]" if b < len(edges) - 1 else "σ = 1"
         print(f"| {arm} | {label} | {cell(rows[0][arm, b])} | {cell(rows[1][arm, b])} |")
-    for name, blob in (("OLD", old_blob), ("NEW", new_blob)):
-        windows = ", ".join(
-            f"{w['arm']} [{w['sigma_min']:g}, {w['sigma_max'] if w['sigma_max'] is not None else 'open'}]" for w in blob["windows"]
-        )
+    for name, result in zip(("OLD", "NEW"), results, strict=True):
+        windows = ", ".join(f"{w.arm} {w.text()}" for w in stack_windows(result).windows)
         print(f"{name} windows: {windows or 'none'}")
 
 
 if __name__ == "__main__":
     if sys.argv[1] == "--side_by_side":
-        side_by_side(*sys.argv[2:4])
+        side_by_side(sys.argv[2], sys.argv[3], *(float(m) for m in sys.argv[4:5]))
     else:
         main(*sys.argv[1:3])

@@ -88,6 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--margin", type=float, default=DEFAULT_MARGIN)
     parser.add_argument("--out", type=Path, default=None, help="folder for reread.json and reread.txt (default: print only)")
+    parser.add_argument("--maps", nargs="+", default=list(MAPS), help="map folders under docs/fidelity (default: the stored lab maps)")
     args = parser.parse_args()
     revision = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=True).stdout.strip()
     command = "PYTHONPATH=. python " + " ".join(sys.argv)
@@ -99,7 +100,7 @@ def main() -> None:
         "(the two σ laws coincide there: flux_shift's μ = 1.15 at 4 096 tokens is shift 3.158)",
         "",
     ]
-    for name in MAPS:
+    for name in args.maps:
         stored = MapResult.from_json(json.loads((HERE / name / "map.json").read_text()), margin=args.margin)
         lines.append(f"## {name} ({', '.join(a.name for a in stored.arms if a.compared)}; {stored.settings.images} probes)")
         blob["maps"][name] = {}

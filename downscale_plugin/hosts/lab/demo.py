@@ -41,6 +41,7 @@ DEMO_ROUTES = (
     {"route": "256:192", "sigma_min": 0.65, "sigma_max": 0.95},
     {"route": "256:224", "sigma_min": 0.5},
 )
+DEMO_BASE = "multires"  # the shipped multi-size lab base (lab/base.py)
 QUALITY = 0.9  # the time-to-quality target: this share of the native run's improvement
 
 
@@ -51,13 +52,12 @@ class DemoSettings:
     rank: int = 8
     lr: float = 1e-2  # the peak of the cosine schedule both twins follow over the FLOPs spent
     seed: int = 0
-    quick: bool = False
     seed_recipe: bool = False  # the seed paper's routes instead of the certified windows
     val_points: int = 12  # per native-run FLOPs, besides the one before the first step
 
 
 # CI size: each validation point is 20 native-grid forwards of the lab DiT, more than a quick run's training
-QUICK = DemoSettings(steps=16, rank=4, quick=True, val_points=3)
+QUICK = DemoSettings(steps=16, rank=4, val_points=3)
 
 
 @dataclass
@@ -89,17 +89,17 @@ class DemoResult:
 
 def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, progress: bool = True) -> DemoResult:
     from ...flops import FlopModel
+    from ...lab.base import get_base, load_base
     from ...lab.concept import HatchData
     from ...lab.data import LabData, LabDataConfig
-    from ...lab.model import LabModelConfig, flop_shape
-    from ...lab.pretrain import load_or_pretrain
+    from ...lab.model import flop_shape
     from ...lab.trainer import native_validation_losses
     from .adapter import LabPlugin
     from .twin import cosine_decay, run_to_budget
 
-    model_cfg = LabModelConfig()
+    model_cfg = get_base(DEMO_BASE).model
     base = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
-    model = load_or_pretrain(model_cfg, quick=settings.quick, progress=progress, data=base)
+    model = load_base(DEMO_BASE)  # shipped weights, digest checked: nothing to pretrain
     data = HatchData(base)
     config = config or load_config(table={"routes": list(DEMO_ROUTES)} if settings.seed_recipe else DEMO_WINDOWS)
     plugin = LabPlugin.for_lab(config, model_cfg, data, settings.batch_size)
@@ -197,7 +197,7 @@ def plot_result(r: DemoResult, path: str) -> None:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--quick", action="store_true", help="CI size: quick pretraining and a short fine-tune")
+    parser.add_argument("--quick", action="store_true", help="CI size: a short fine-tune")
     parser.add_argument("--steps", type=int, help=f"fine-tune steps per run (default {DemoSettings.steps}, quick {QUICK.steps})")
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
@@ -230,7 +230,6 @@ def run(args: argparse.Namespace) -> int:
         rank=base.rank,
         lr=base.lr,
         seed=args.seed,
-        quick=args.quick,
         seed_recipe=args.seed_recipe,
         val_points=base.val_points,
     )

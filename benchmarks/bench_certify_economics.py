@@ -35,6 +35,9 @@ route mean at cosine 1 − gap_i, D = 4 paired draws with noise of the signal's 
 - ``lab_concept``: the lab's concept map (docs/fidelity/lab_concept_n64_d8_n16, docs/FIDELITY.md §10) for 0.875 / 0.75,
   per-image excess as measured, read at the default ε; 0.5, which that map did not measure, as ``none_safe`` (on the
   pooled map 0.5's excess is above 0.75's in every bin, and the concept's 0.75 is over the default ε below σ 0.9);
+- ``multires_corpus``, ``multires_hatch``: the same two kinds of map on the shipped multi-size lab base
+  (docs/fidelity/multires, every route measured at 1024 tokens): its corpus map reads 0.75 safe above σ 0.1 and 0.5
+  above σ 0.925 at the default ε, its posters' map nowhere;
 - ``borderline`` (printed as a comment, outside the contract): every (route, bin) under ε but spread (gap_i ~ N(0.6ε, (0.6ε)²)),
   where a test may run to its last look and end not safe (inconclusive): the plan's worst case.
 
@@ -84,13 +87,18 @@ from downscale_plugin.sigma import DdpmSampler, SigmaSampler  # noqa: E402
 
 PASSES, NATIVE_HW = 3000, (128, 128)
 SAMPLERS = {"flux": SigmaSampler(mode="flux_shift"), "sdxl": DdpmSampler()}
-SCENARIOS = ("all_safe", "lab_like", "none_safe", "shallow_safe", "lab_concept", "borderline")
-CONTRACT = SCENARIOS[:5]  # printed as ``net ARCH SCENARIO = X %``; borderline as a comment
+SCENARIOS = ("all_safe", "lab_like", "none_safe", "shallow_safe", "lab_concept", "multires_corpus", "multires_hatch", "borderline")
+CONTRACT = SCENARIOS[:-1]  # printed as ``net ARCH SCENARIO = X %``; borderline as a comment
 LAB_MAPS = {
     "docs/fidelity/lab_n64_d8_n16/map.json": ("latent_0.875", "latent_0.75"),
     "docs/fidelity/lab_n64_d8_n16_pool/map.json": ("latent_0.5",),
 }
 CONCEPT_MAP = {"docs/fidelity/lab_concept_n64_d8_n16/map.json": ("latent_0.875", "latent_0.75")}
+ROUTES = ("latent_0.875", "latent_0.75", "latent_0.5")
+MULTIRES_MAPS = {  # the shipped multi-size base's maps (docs/fidelity/multires), every route measured
+    "multires_corpus": {"docs/fidelity/multires/corpus_t1024/map.json": ROUTES},
+    "multires_hatch": {"docs/fidelity/multires/hatch_t1024/map.json": ROUTES},
+}
 SHALLOW_FROM = 0.6  # shallow_safe: 0.875 / 0.75 safe in the bins whose lower edge is at or above this σ
 MASS_DRAWS = 1 << 16
 
@@ -169,6 +177,8 @@ def scenario_gaps(name: str, seed: int, margin: float, bins: SigmaBins) -> Calla
         return measured(LAB_MAPS, synthetic("none_safe", seed, margin))
     if name == "lab_concept":
         return measured(CONCEPT_MAP, synthetic("none_safe", seed, margin))
+    if name in MULTIRES_MAPS:
+        return measured(MULTIRES_MAPS[name], synthetic("none_safe", seed, margin))
     if name == "shallow_safe":
         safe, unsafe = synthetic("all_safe", seed, margin), synthetic("none_safe", seed, margin)
         shallow = lambda route, b: route != "latent_0.5" and bins.bounds(b)[0] >= SHALLOW_FROM  # noqa: E731

@@ -150,7 +150,7 @@ def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
         torch.set_num_threads(threads)
     run = json.loads((tmp_path / "runs" / "concept" / "all0.5_s0.json").read_text())
     assert run["protocol_revision"] == bench.protocol_revision() and run["code"]["revision"]
-    assert len(run["items"][0]) == 5 * 9 and len(run["samples"]["spectrum_distance"]) == 1
+    assert len(run["items"][0]) == 5 * len(bench.FIXED_SIGMAS) and len(run["samples"]["spectrum_distance"]) == 1
     summary = bench.summarize(args, argv)
     assert summary["protocol_revision"] and summary["default_margin"] is None
     assert "all0.5" in summary["concepts"]["concept"]["arms"] and bench.refusals(args, bench.planned_runs(args)) == []

@@ -236,6 +236,9 @@ def _bootstrap_t(estimate: np.ndarray, replicates: np.ndarray, levels: int, leve
     the variance by (n − 1) / n, and the SD of so few levels is itself uncertain; this corrects both."""
     from scipy import stats
 
+    if levels < 2:  # one seed or one crop: no spread to read, no interval
+        nan = np.full(np.shape(estimate), math.nan)
+        return nan, nan
     se = replicates.std(axis=0, ddof=1) * math.sqrt(levels / (levels - 1))
     half = float(stats.t.ppf(0.5 + level / 2, levels - 1)) * se
     return estimate - half, estimate + half

@@ -145,3 +145,11 @@ def test_decision_rule() -> None:
     assert decide(iv(-0.01, 0.02), strata((-0.01, 0.02), (0.01, 0.08)), [True, False], delta) == "non-inferior"  # unrouted wide
     assert decide(iv(-0.01, 0.02), strata((-0.01, 0.02), (0.01, 0.08)), [True, True], delta) == "inconclusive"
     assert decide(iv(-0.01, 0.06), strata((-0.01, 0.02), (0.0, 0.01)), [True, True], delta) == "inconclusive"
+
+
+def test_one_seed_gives_the_estimate_and_no_interval() -> None:
+    """A study of one seed has no spread over seeds to read: the estimate stands, its interval is undefined (NaN), and
+    no error stops the summary."""
+    native, arm = _study(np.random.default_rng(0), seeds=1, crops=10, diff=0.02)
+    iv = arm_statistics(native, arm, [1.0], reps=50)["equal_compute"]
+    assert np.isfinite(iv["diff"]) and np.isnan(iv["lo"]) and np.isnan(iv["hi"])

@@ -8,7 +8,7 @@ from downscale_plugin.__main__ import main
 
 
 def test_demo_quick_trains_both_adapters_and_reports(tmp_path, monkeypatch, capsys):
-    monkeypatch.setenv("DOWNSCALE_PLUGIN_CACHE", str(tmp_path / "cache"))  # pretraining included
+    monkeypatch.setenv("DOWNSCALE_PLUGIN_CACHE", str(tmp_path / "cache"))  # an empty cache: the shipped base needs none
     png = tmp_path / "demo.png"
     assert main(["demo", "--quick", "--steps", "12", "--seed_recipe", "--out", str(png), "--no-progress"]) == 0
     out = capsys.readouterr().out
@@ -25,6 +25,7 @@ def test_demo_quick_trains_both_adapters_and_reports(tmp_path, monkeypatch, caps
     reach = re.search(r"time to 90 % of native's improvement \([\d.]+\): FLOPs \(native run = 1\)\s+([\d.]+)\s+(\S+)", out)
     assert reach and 0.0 < float(reach.group(1)) <= 1.0  # native reaches its own target within its run
     assert "token histogram" in out
+    assert out.startswith("concept: subject") and "shipped lab base 'multires'" in out  # the demo says what it runs and why
 
 
 def test_demo_refuses_two_routers_before_any_model(capsys):

@@ -65,3 +65,18 @@ def range_clipped_read(monkeypatch):
     from downscale_plugin.mapping import safe_read
 
     monkeypatch.setattr(safe_read, "SHAPE_MARGIN", 1.0)
+
+
+@pytest.fixture(scope="module")
+def tiny_lab(request):
+    """The lab map backend on a tiny random DiT (16x16 cells, 3 warm-up steps), built once per module:
+    2 probe images, or the module's ``TINY_LAB_IMAGES``."""
+    from downscale_plugin.hosts.lab.map_backend import LabBackend, LabMapConfig
+    from downscale_plugin.lab.model import LabModelConfig
+
+    tiny = LabModelConfig(hidden_size=32, num_heads=2, double_layers=1, single_layers=1)
+    cfg = LabMapConfig(model=tiny, pretrained=False, native_hw=(16, 16), warm_steps=3)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # a tiny model gains nothing from threads and loses a lot on a busy machine
+    yield LabBackend(cfg, images=getattr(request.module, "TINY_LAB_IMAGES", 2), progress=False)
+    torch.set_num_threads(threads)

@@ -393,16 +393,7 @@ def test_value_orders_the_routes_and_zero_mass_bins_are_never_tested():
 # -- on the lab trainer's own step -------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tiny_lab():
-    from downscale_plugin.hosts.lab.map_backend import LabBackend, LabMapConfig
-    from downscale_plugin.lab.model import LabModelConfig
-
-    tiny = LabModelConfig(hidden_size=32, num_heads=2, double_layers=1, single_layers=1)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield LabBackend(LabMapConfig(model=tiny, pretrained=False, native_hw=(16, 16), warm_steps=3), images=4, progress=False)
-    torch.set_num_threads(threads)
+TINY_LAB_IMAGES = 4  # conftest.tiny_lab
 
 
 def test_the_lab_trainer_trains_on_the_injected_noise(tiny_lab):

@@ -272,19 +272,6 @@ def test_cli_lists_every_bad_input_and_exits_2_before_building_anything(capsys):
 # ------------------------------------------------------------------------------------------- the lab
 
 
-@pytest.fixture(scope="module")
-def tiny_lab():
-    from downscale_plugin.hosts.lab.map_backend import LabBackend, LabMapConfig
-    from downscale_plugin.lab.model import LabModelConfig
-
-    tiny = LabModelConfig(hidden_size=32, num_heads=2, double_layers=1, single_layers=1)
-    cfg = LabMapConfig(model=tiny, pretrained=False, native_hw=(16, 16), warm_steps=3)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)  # a tiny model gains nothing from threads and loses a lot on a busy machine
-    yield LabBackend(cfg, images=2, progress=False)
-    torch.set_num_threads(threads)
-
-
 def test_lab_loss_runs_the_trainer_step_at_the_replayed_sigma(tiny_lab):
     from downscale_plugin.lab import flux_utils
 

@@ -33,7 +33,9 @@ import torch
 from ..bins import DEFAULT_BINS, parse_bins
 from ..certify_config import DEFAULT_MARGIN
 from ..cli import fail, register
+from ..provenance import code_revision
 from .arms import Arm, MapBackend, build_arms
+from .journal import JOURNAL, CellJournal, JournalError
 
 
 @dataclass(frozen=True)
@@ -102,6 +104,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--threads", type=int, help="torch CPU threads (default: torch's choice)")
     parser.add_argument("--out", default="map_out", help="output directory (default map_out)")
+    parser.add_argument(
+        "--resume",
+        action="store_true",
+        help=f"keep the cells of an earlier run's {JOURNAL} in --out (same settings and code) and measure the rest",
+    )
     parser.add_argument("--no_progress", action="store_true")
     for source in SOURCES.values():
         source.add_arguments(parser.add_argument_group(f"--{source.flag}"))
@@ -125,7 +132,26 @@ def command_line(args: argparse.Namespace, source: MapSource, source_words: Sequ
 
 
 # Flags that only mean something when gradients are measured; --from_json refuses them (and every source's options).
-MEASUREMENT_FLAGS = ("ratios", "policies", "positions", "attention", "pixel", "reenc", "bins", "no_endpoint", "draws", "images", "seed")
+MEASUREMENT_FLAGS = (
+    "ratios",
+    "policies",
+    "positions",
+    "attention",
+    "pixel",
+    "reenc",
+    "bins",
+    "no_endpoint",
+    "draws",
+    "images",
+    "seed",
+    "resume",
+)
+
+
+def measurement_key(args: argparse.Namespace, source: MapSource, source_words: Sequence[str]) -> dict[str, Any]:
+    """What a map's cells depend on: a journal written under another key is not resumed (``journal.py``)."""
+    key = {flag: getattr(args, flag) for flag in MEASUREMENT_FLAGS if flag != "resume"}
+    return {"source": source.flag, "source_words": list(source_words), **key, "code_revision": code_revision()}
 
 
 def rederive(args: argparse.Namespace, parser_defaults: dict) -> int:
@@ -194,17 +220,38 @@ def run(args: argparse.Namespace) -> int:
     problems += source_problems
     if args.threads is not None and args.threads < 1:
         problems.append(f"threads: {args.threads} must be >= 1")
+    journal = CellJournal(args.out, measurement_key(args, source, source_words))
+    done: list = []
+    if args.resume and journal.exists():
+        try:
+            done = journal.read()
+        except JournalError as err:
+            problems.append(str(err))
     if problems:
         return fail(problems)
+    if args.resume:
+        print(f"resume: {len(done)} cells from {journal.path}" if journal.exists() else f"resume: no {journal.path}; measuring every cell")
     if args.threads:
         torch.set_num_threads(args.threads)
     command = command_line(args, source, source_words)
     t0 = time.perf_counter()
     backend = make_backend()
     setup_s = time.perf_counter() - t0
-    result = run_map(backend, arms, bins, settings, progress=not args.no_progress, provenance={"command": command, **provenance})
+    journal.start(done)
+    clock = [time.perf_counter()]
+
+    def record(cell: Any) -> None:
+        now = time.perf_counter()
+        journal.append(cell, now - clock[0])
+        clock[0] = now
+
+    kept = [cell for cell, _ in done]
+    result = run_map(backend, arms, bins, settings, not args.no_progress, {"command": command, **provenance}, kept, record)
     result.provenance["setup_s"] = round(setup_s, 2)
+    if done:
+        result.provenance["resumed"] = {"cells": len(done), "their_seconds": round(sum(s for _, s in done), 2)}
     paths = write_outputs(result, args.out, command)
+    journal.remove()
     print(console_table(result))
     print(
         f"\nsetup (model, adapter warm-up) {setup_s:.1f} s, map {result.provenance['wall_s']:.1f} s, torch threads {torch.get_num_threads()}"

@@ -32,7 +32,7 @@ from __future__ import annotations
 import math
 import time
 import zlib
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
 
@@ -236,8 +236,13 @@ def collect(
     bins: SigmaBins,
     settings: MapSettings,
     progress: bool = True,
+    done: Sequence[Cell] = (),
+    on_cell: Callable[[Cell], None] | None = None,
 ) -> list[Cell]:
     """Run every (image, bin, arm, draw) once; deterministic given ``settings.seed``.
+
+    ``done`` are cells already measured (a resumed map, ``journal.py``): they are kept, not measured
+    again; ``on_cell`` sees every newly finished cell (the journal appends it).
 
     Noise is seeded per (image, bin, arm, draw) and σ per (image, bin, draw): all arms of a cell
     see the same σ values, each with its own noise (arms on different grids cannot share noise).
@@ -247,11 +252,18 @@ def collect(
     check_inputs(arms, bins, settings)
     params = check_backend(backend, arms, settings)
     ordered = sorted(arms, key=lambda a: a.kind != "native")  # the natives first: every other arm is compared with them
+    kept = {(c.image, c.bin): c for c in done}
     cells: list[Cell] = []
-    bar = tqdm(total=settings.images * len(bins), desc="map", unit="cell", disable=not progress)
+    bar = tqdm(total=settings.images * len(bins), initial=len(kept), desc="map", unit="cell", disable=not progress)
     for image in range(settings.images):
+        if all((image, b) in kept for b in range(len(bins))):
+            cells += [kept[(image, b)] for b in range(len(bins))]
+            continue
         inputs = {arm.name: backend.arm_input(image, arm) for arm in arms}
         for b in range(len(bins)):
+            if (image, b) in kept:
+                cells.append(kept[(image, b)])
+                continue
             bar.set_postfix(image=image, bin=bins.label(b))
             jitter = [float(np.random.default_rng(_seed(settings.seed, image, b, d, 0x51)).random()) for d in range(settings.draws)]
             sigmas = bins.sigmas(b, jitter)
@@ -266,6 +278,8 @@ def collect(
                     natives[arm.name] = (full, square)
                 del full  # a route's sum is not alive while the next arm draws
             cells.append(cell)
+            if on_cell is not None:
+                on_cell(cell)
             bar.update(1)
     bar.close()
     return cells
@@ -545,10 +559,13 @@ def run_map(
     settings: MapSettings,
     progress: bool = True,
     provenance: dict[str, Any] | None = None,
+    done: Sequence[Cell] = (),
+    on_cell: Callable[[Cell], None] | None = None,
 ) -> MapResult:
-    """Collect and summarize; records wall time and the backend's description in the provenance."""
+    """Collect and summarize; records wall time and the backend's description in the provenance
+    (``wall_s``: this process's collection; ``done`` and ``on_cell`` as :func:`collect`)."""
     t0 = time.perf_counter()
-    cells = collect(backend, arms, bins, settings, progress)
+    cells = collect(backend, arms, bins, settings, progress, done, on_cell)
     prov = {
         **(provenance or {}),
         "backend": backend.describe(),

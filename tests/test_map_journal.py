@@ -44,9 +44,9 @@ def _settings(toml_path) -> list[str]:
     return [line for line in toml_path.read_text().splitlines() if not line.startswith(("#", "windows_date"))]
 
 
-def _interrupt_after(monkeypatch, count: int) -> None:
-    real = CellJournal.append
-    calls = []
+def _interrupted(lab_map, out, monkeypatch, count: int) -> None:
+    """``map --out out`` ended by the process's end right after its ``count``-th cell reached the journal."""
+    real, calls = CellJournal.append, []
 
     def append(self, cell, seconds):
         real(self, cell, seconds)
@@ -54,7 +54,17 @@ def _interrupt_after(monkeypatch, count: int) -> None:
         if len(calls) == count:
             raise Interrupted
 
-    monkeypatch.setattr(CellJournal, "append", append)
+    with monkeypatch.context() as patch:
+        patch.setattr(CellJournal, "append", append)
+        with pytest.raises(Interrupted):
+            lab_map("--out", str(out))
+
+
+def _measured(monkeypatch) -> list:
+    """The (image, bin) of every cell measured from now on (each reaches the journal as it ends)."""
+    real, cells = CellJournal.append, []
+    monkeypatch.setattr(CellJournal, "append", lambda self, cell, s: cells.append((cell.image, cell.bin)) or real(self, cell, s))
+    return cells
 
 
 def test_an_interrupted_map_resumes_to_the_map_run_in_one_go(lab_map, tmp_path, monkeypatch):
@@ -62,10 +72,7 @@ def test_an_interrupted_map_resumes_to_the_map_run_in_one_go(lab_map, tmp_path, 
     assert lab_map("--out", str(whole)) == 0
     assert not (whole / JOURNAL).exists()  # the outputs hold every cell; the journal goes
 
-    with monkeypatch.context() as patch:
-        _interrupt_after(patch, 4)
-        with pytest.raises(Interrupted):
-            lab_map("--out", str(parts))
+    _interrupted(lab_map, parts, monkeypatch, 4)
     journal = (parts / JOURNAL).read_text().splitlines()
     assert len(journal) == 1 + 4 and not (parts / "map.json").exists()
     with open(parts / JOURNAL, "a") as fh:
@@ -81,13 +88,8 @@ def test_an_interrupted_map_resumes_to_the_map_run_in_one_go(lab_map, tmp_path, 
 
 def test_resume_measures_only_the_cells_the_journal_lacks(lab_map, tmp_path, monkeypatch):
     out = tmp_path / "m"
-    with monkeypatch.context() as patch:
-        _interrupt_after(patch, 5)
-        with pytest.raises(Interrupted):
-            lab_map("--out", str(out))
-    measured = []
-    real = CellJournal.append
-    monkeypatch.setattr(CellJournal, "append", lambda self, cell, s: measured.append((cell.image, cell.bin)) or real(self, cell, s))
+    _interrupted(lab_map, out, monkeypatch, 5)
+    measured = _measured(monkeypatch)
     assert lab_map("--out", str(out), "--resume") == 0
     assert measured == [(1, 2)]  # the sixth cell alone (image-major, bins in order)
     assert len(_cells(out)) == CELLS
@@ -95,10 +97,7 @@ def test_resume_measures_only_the_cells_the_journal_lacks(lab_map, tmp_path, mon
 
 def test_a_journal_under_other_settings_or_code_is_refused_before_the_model_loads(lab_map, tmp_path, monkeypatch, capsys):
     out = tmp_path / "m"
-    with monkeypatch.context() as patch:
-        _interrupt_after(patch, 2)
-        with pytest.raises(Interrupted):
-            lab_map("--out", str(out))
+    _interrupted(lab_map, out, monkeypatch, 2)
     builds = len(lab_map.builds)
     capsys.readouterr()
 
@@ -113,13 +112,8 @@ def test_a_journal_under_other_settings_or_code_is_refused_before_the_model_load
 
 def test_without_resume_a_journal_is_started_over_and_resume_without_one_measures_all(lab_map, tmp_path, monkeypatch, capsys):
     out = tmp_path / "m"
-    with monkeypatch.context() as patch:
-        _interrupt_after(patch, 2)
-        with pytest.raises(Interrupted):
-            lab_map("--out", str(out))
-    measured = []
-    real = CellJournal.append
-    monkeypatch.setattr(CellJournal, "append", lambda self, cell, s: measured.append(cell) or real(self, cell, s))
+    _interrupted(lab_map, out, monkeypatch, 2)
+    measured = _measured(monkeypatch)
     assert lab_map("--out", str(out)) == 0
     assert len(measured) == CELLS and "provenance" in json.loads((out / "map.json").read_text())
     assert "resumed" not in json.loads((out / "map.json").read_text())["provenance"]

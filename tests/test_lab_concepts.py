@@ -179,3 +179,30 @@ def test_power_above_nyquist() -> None:
 def test_concepts_span_fine_detail_to_low_frequency(concepts: dict[str, ConceptData]) -> None:
     shares = {task: heldout_power_above(data, 0.75, per_bucket=2) for task, data in concepts.items()}
     assert shares["hatch"] > 0.5 and shares["hatch"] > 2 * max(shares["subject"], shares["style"])
+
+
+def test_a_native_size_past_every_default_bucket_gets_one_square_bucket_that_holds_it() -> None:
+    defaults = LabDataConfig()
+    assert defaults.holding((256, 256)) is defaults and defaults.holding((192, 320)) is defaults
+    assert defaults.holding((384, 384)).buckets == ((384, 384),)  # the 2 304-token map (96 x 96 latent)
+    assert defaults.holding((200, 300)).buckets == ((320, 320),)  # the longer side rounded up to 32 px
+    assert defaults.holding((384, 384)).scales == defaults.scales
+
+
+@pytest.fixture(scope="module")
+def base_384() -> LabData:
+    return LabData(LabDataConfig().holding((384, 384)))
+
+
+@pytest.mark.parametrize("task", TASKS)
+def test_every_task_gives_probes_at_a_native_size_past_the_default_buckets(task, base_384: LabData) -> None:
+    """The token-count map at 96 x 96 latent cells (384 px, 2 304 tokens), as ``LabBackend`` builds its data;
+    with the default buckets no crop that large exists."""
+    from downscale_plugin.hosts.lab.map_backend import select_probes
+
+    probes = select_probes(task_data(task, base_384), 2, (96, 96), seed=0)
+    assert [p["latents"].shape[-2:] for p in probes] == [(96, 96)] * 2
+    assert [p["pixels"].shape[-2:] for p in probes] == [(384, 384)] * 2
+    if task == "corpus":
+        with pytest.raises(ValueError, match="no bucket that large"):
+            select_probes(LabData(LabDataConfig()), 1, (96, 96), seed=0)

@@ -173,7 +173,8 @@ class LabBackend:
         self.flux_utils = flux_utils  # the module whose ``prepare_img_ids`` the trainer calls (positions scope)
         self.attention_scope = attention_scope()  # the lab DiT's joint attention (proportional arms)
         model_cfg = get_base(cfg.base).model if cfg.base else cfg.model or LabModelConfig()
-        base = cfg.data or LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
+        native_px = (cfg.native_hw[0] * FACTOR, cfg.native_hw[1] * FACTOR)
+        base = cfg.data or LabData(LabDataConfig(latent_channels=model_cfg.latent_channels).holding(native_px))
         data = task_data(cfg.task, base)
         self.probes = select_probes(data, images, cfg.native_hw, cfg.seed)
         if cfg.base:
@@ -198,7 +199,7 @@ class LabBackend:
         for probe in self.probes:
             probe["text_encoder_outputs_list"] = self.text_encoder.encode(probe["class_ids"])
         corpus = "lab corpus" if data is base else f"lab concept '{cfg.task}', new to the base model"
-        self._data_desc = f"{corpus} ({len(data.names)} sources: {', '.join(data.names)})"
+        self._data_desc = f"{corpus} ({len(data.names)} sources: {', '.join(data.names)}; buckets {list(base.cfg.buckets)} px)"
         family = FlowFamily(flux_train_utils, "flux")
         self.sampler = family.bind(self.args, self.noise_scheduler, self.probes[0]["latents"], self.accelerator.device, torch.float32)
         with forked():

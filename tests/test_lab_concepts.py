@@ -182,16 +182,20 @@ def test_concepts_span_fine_detail_to_low_frequency(concepts: dict[str, ConceptD
 
 
 def test_a_native_size_past_every_default_bucket_gets_one_square_bucket_that_holds_it() -> None:
+    from downscale_plugin.hosts.lab.map_backend import data_holding
+
     defaults = LabDataConfig()
-    assert defaults.holding((256, 256)) is defaults and defaults.holding((192, 320)) is defaults
-    assert defaults.holding((384, 384)).buckets == ((384, 384),)  # the 2 304-token map (96 x 96 latent)
-    assert defaults.holding((200, 300)).buckets == ((320, 320),)  # the longer side rounded up to 32 px
-    assert defaults.holding((384, 384)).scales == defaults.scales
+    assert data_holding(defaults, (256, 256)) is defaults and data_holding(defaults, (192, 320)) is defaults
+    assert data_holding(defaults, (384, 384)).buckets == ((384, 384),)  # the 2 304-token map (96 x 96 latent)
+    assert data_holding(defaults, (200, 300)).buckets == ((320, 320),)  # the longer side rounded up to 32 px
+    assert data_holding(defaults, (384, 384)).scales == defaults.scales
 
 
 @pytest.fixture(scope="module")
 def base_384() -> LabData:
-    return LabData(LabDataConfig().holding((384, 384)))
+    from downscale_plugin.hosts.lab.map_backend import data_holding
+
+    return LabData(data_holding(LabDataConfig(), (384, 384)))
 
 
 @pytest.mark.parametrize("task", TASKS)

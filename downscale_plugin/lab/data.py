@@ -15,7 +15,7 @@ area-downsampling it behaves like downscaling the image.
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -51,18 +51,6 @@ class LabDataConfig:
 
     def latent_hw(self, bucket: tuple[int, int]) -> tuple[int, int]:
         return bucket[0] // FACTOR, bucket[1] // FACTOR
-
-    def holding(self, crop_px: tuple[int, int]) -> LabDataConfig:
-        """This config when one of its buckets holds a ``crop_px`` crop; else one square bucket that does.
-
-        The square bucket's side is the crop's longer side rounded up to 32 px, so the sources are resized to
-        it (times ``scales``) as for the defaults' largest side: a native size past every default bucket sees
-        the whole picture at that size, as the default square bucket does at 256 px.
-        """
-        if any(h >= crop_px[0] and w >= crop_px[1] for h, w in self.buckets):
-            return self
-        side = -(-max(crop_px) // 32) * 32
-        return replace(self, buckets=((side, side),))
 
 
 def _to_rgb01(img: np.ndarray) -> np.ndarray:

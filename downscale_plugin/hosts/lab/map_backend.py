@@ -125,6 +125,19 @@ def select_probes(data: Any, n: int, native_hw: tuple[int, int], seed: int) -> l
     )
 
 
+def data_holding(cfg: Any, crop_px: tuple[int, int]) -> Any:
+    """``cfg`` (a ``LabDataConfig``) when one of its buckets holds a ``crop_px`` crop; else one square bucket that does.
+
+    The square bucket's side is the crop's longer side rounded up to 32 px, so the sources are resized to it (times
+    ``scales``) as for the defaults' largest side: a native size past every default bucket (the 2 304-token map at
+    384 px) sees the whole picture at that size, as the default square bucket does at 256 px.
+    """
+    if any(h >= crop_px[0] and w >= crop_px[1] for h, w in cfg.buckets):
+        return cfg
+    side = -(-max(crop_px) // 32) * 32
+    return dataclasses.replace(cfg, buckets=((side, side),))
+
+
 def lab_problems(cfg: LabMapConfig, arms: list[Arm] | tuple[Arm, ...]) -> list[str]:
     """What makes this lab map impossible, found without building anything (empty = fine)."""
     arch = get_arch(cfg.arch)
@@ -174,7 +187,7 @@ class LabBackend:
         self.attention_scope = attention_scope()  # the lab DiT's joint attention (proportional arms)
         model_cfg = get_base(cfg.base).model if cfg.base else cfg.model or LabModelConfig()
         native_px = (cfg.native_hw[0] * FACTOR, cfg.native_hw[1] * FACTOR)
-        base = cfg.data or LabData(LabDataConfig(latent_channels=model_cfg.latent_channels).holding(native_px))
+        base = cfg.data or LabData(data_holding(LabDataConfig(latent_channels=model_cfg.latent_channels), native_px))
         data = task_data(cfg.task, base)
         self.probes = select_probes(data, images, cfg.native_hw, cfg.seed)
         if cfg.base:

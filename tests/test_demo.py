@@ -25,7 +25,7 @@ def test_demo_quick_trains_both_adapters_and_reports(tmp_path, monkeypatch, caps
     reach = re.search(r"time to 90 % of native's improvement \([\d.]+\): FLOPs \(native run = 1\)\s+([\d.]+)\s+(\S+)", out)
     assert reach and 0.0 < float(reach.group(1)) <= 1.0  # native reaches its own target within its run
     assert "token histogram" in out
-    assert out.startswith("concept: subject") and "shipped lab base 'multires'" in out  # the demo says what it runs and why
+    assert out.startswith("concept: style") and "shipped lab base 'multires'" in out  # the demo says what it runs and why
 
 
 def test_demo_refuses_two_routers_before_any_model(capsys):
@@ -82,3 +82,16 @@ def _same(a, b) -> bool:
     if isinstance(a, tuple) and len(a) > 1 and isinstance(a[1], np.ndarray):  # NumPy's (name, keys, pos, …)
         return all(np.array_equal(x, y) if isinstance(x, np.ndarray) else x == y for x, y in zip(a, b, strict=True))
     return a == b
+
+
+def test_the_demos_windows_are_the_style_maps_at_the_default_margin():
+    """The embedded default is the stored windows file the quality study's default arm reads, route for route."""
+    from pathlib import Path
+
+    from downscale_plugin.certify_config import DEFAULT_MARGIN
+    from downscale_plugin.config import read_plugin_toml
+    from downscale_plugin.hosts.lab.demo import DEMO_WINDOWS
+
+    stored = read_plugin_toml(str(Path(__file__).parent.parent / "docs/fidelity/quality/windows" / f"style_eps{DEFAULT_MARGIN:g}.toml"))
+    assert stored["windows_margin"] == DEFAULT_MARGIN and stored["arch"] == DEMO_WINDOWS["arch"]
+    assert stored["routes"] == DEMO_WINDOWS["routes"]

@@ -1,16 +1,16 @@
 """``python -m downscale_plugin demo``: the embedded default, end to end on the CPU.
 
-A LoRA teaches the shipped lab base (``lab/base.py``, pretrained over 96–384 px) a subject it never saw
-(``lab/concept.py``: one motorcycle, a trigger class), twice, as twins (``hosts/lab/twin.py``: same seed, adapter init, data order, σ draws and
+A LoRA teaches the shipped lab base (``lab/base.py``, pretrained over 96–384 px) a style it never saw
+(``lab/concept.py``: a colour grade and a halftone screen over photographs, a trigger class), twice, as twins (``hosts/lab/twin.py``: same seed, adapter init, data order, σ draws and
 noise): natively, and with the plugin routing σ-windowed steps to smaller grids through the same host
 hook sd-scripts runs. Both spend the native run's training FLOPs under one learning-rate curve over
-the FLOPs spent (cosine to zero there, as the quality study trains), validated on the subject's held-out view at
+the FLOPs spent (cosine to zero there, as the quality study trains), validated on the style's held-out photographs at
 each 1/``val_points`` of those FLOPs. The table gives what the quality study
 (``benchmarks/bench_quality.py``) reads per seed: the FLOP saving per step (realized and planned),
 route fractions, the held-out validation loss at equal compute, and each run's time to 90 % of the
 native run's improvement in FLOPs and seconds. A PNG shows both validation curves against FLOPs.
 
-The router is the subject map's windows at ε = 0.2 (``docs/fidelity/quality/windows/subject_eps0.2.toml``);
+The router is the style map's windows at ε = 0.2 (``docs/fidelity/quality/windows/style_eps0.2.toml``);
 ``--seed_recipe`` runs the seed paper's uncertified recipe instead (on the hatched posters it routed their detail
 away: a routed step taught less, and it was not sooner in CPU time, docs/FIDELITY.md §10).
 """
@@ -30,17 +30,18 @@ if TYPE_CHECKING:  # the lab's dependencies (diffusers, peft) load only when the
     from .adapter import LabPlugin
     from .twin import BudgetRun
 
-# The default: the subject's map on the shipped base read at ε = 0.2 (docs/fidelity/quality/windows/subject_eps0.2.toml,
-# from docs/fidelity/multires/subject_t1024/map.json), under the lab trainer's own σ sampler (sd-scripts' recommended
-# Flux recipe, shift 3.1582). Of the concepts mapped, it is the one whose default windows route the most (19 % of
-# the steps; the posters' route none). Tiers count lab latents at Flux's 8 px per cell, as the map writes them: the
-# 512 px tier is every lab bucket.
+# The default: the style's map on the shipped base read at ε = 0.2 (docs/fidelity/quality/windows/style_eps0.2.toml,
+# from docs/fidelity/multires/style_t1024/map.json), under the lab trainer's own σ sampler (sd-scripts' recommended
+# Flux recipe, shift 3.1582). Of the concepts mapped, it is the one whose default windows route the most (85 % of
+# the steps; the subject's 19 %, the posters' none). Tiers count lab latents at Flux's 8 px per cell, as the map
+# writes them: the 512 px tier is every lab bucket.
 DEMO_WINDOWS = {
     "arch": "flux",
     "routes": [
-        {"route": "512:256", "sigma_min": 0.95, "sigma_max": 1.0},
-        {"route": "512:384", "sigma_min": 0.0, "sigma_max": 0.366666666667},
-        {"route": "512:384", "sigma_min": 0.9},
+        {"route": "512:256", "sigma_min": 0.0, "sigma_max": 0.075},
+        {"route": "512:256", "sigma_min": 0.9, "sigma_max": 1.0},
+        {"route": "512:384", "sigma_min": 0.0, "sigma_max": 0.5},
+        {"route": "512:384", "sigma_min": 0.633333333333},
     ],
 }
 # `--seed_recipe`: the seed paper's stacked recipe in lab pixels (a 0.75 route inside a window, a 0.875
@@ -51,8 +52,9 @@ DEMO_ROUTES = (
 )
 DEMO_BASE = "multires"  # the shipped multi-size lab base (lab/base.py)
 DEMO_CONCEPT = (
-    "concept: subject (one motorcycle) on the shipped lab base 'multires': of the concepts mapped on that base, the one "
-    "whose windows at the default ε = 0.2 route the most steps (19 %; the hatched posters' route none)"
+    "concept: style (a colour grade and a halftone screen) on the shipped lab base 'multires': of the concepts mapped "
+    "on that base, the one whose windows at the default ε = 0.2 route the most steps (85 %; the subject's 19 %, the "
+    "hatched posters' none)"
 )
 QUALITY = 0.9  # the time-to-quality target: this share of the native run's improvement
 
@@ -102,7 +104,7 @@ class DemoResult:
 def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, progress: bool = True) -> DemoResult:
     from ...flops import FlopModel
     from ...lab.base import get_base, load_base
-    from ...lab.concept import SubjectData
+    from ...lab.concept import StyleData
     from ...lab.data import LabData, LabDataConfig
     from ...lab.model import flop_shape
     from ...lab.trainer import native_validation_losses
@@ -112,7 +114,7 @@ def run_demo(settings: DemoSettings, config: DownscaleConfig | None = None, prog
     model_cfg = get_base(DEMO_BASE).model
     base = LabData(LabDataConfig(latent_channels=model_cfg.latent_channels))
     model = load_base(DEMO_BASE)  # shipped weights, digest checked: nothing to pretrain
-    data = SubjectData(base)
+    data = StyleData(base)
     config = config or load_config(table={"routes": list(DEMO_ROUTES)} if settings.seed_recipe else DEMO_WINDOWS)
     plugin = LabPlugin.for_lab(config, model_cfg, data, settings.batch_size)
     val_set = data.validation_set(per_bucket=1, seed=settings.seed)
@@ -214,7 +216,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch_size", type=int, default=1)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument(
-        "--config", metavar="PLUGIN_TOML", help="plugin TOML with routes in lab pixels (default: the subject map's windows at ε = 0.2)"
+        "--config", metavar="PLUGIN_TOML", help="plugin TOML with routes in lab pixels (default: the style map's windows at ε = 0.2)"
     )
     parser.add_argument(
         "--seed_recipe",

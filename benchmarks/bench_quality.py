@@ -464,9 +464,11 @@ def work(args: argparse.Namespace) -> None:
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
         try:
-            os.close(os.open(path.with_suffix(".claim"), os.O_CREAT | os.O_EXCL))
+            fd = os.open(path.with_suffix(".claim"), os.O_CREAT | os.O_EXCL | os.O_WRONLY)
         except FileExistsError:
             continue
+        os.write(fd, str(os.getpid()).encode())  # whose run it is: a later launch clears only a dead worker's claims
+        os.close(fd)
         key = (job["concept"], tuple(s["sigmas"]))
         labs[key] = labs.get(key) or Lab(job["concept"], s["sigmas"], args)
         t0 = time.perf_counter()
@@ -474,10 +476,26 @@ def work(args: argparse.Namespace) -> None:
         tmp = path.with_suffix(".tmp")
         tmp.write_text(json.dumps(blob))
         os.replace(tmp, path)
-        path.with_suffix(".claim").unlink()
+        path.with_suffix(".claim").unlink(missing_ok=True)
         print(f"{path.relative_to(out)}: {len(blob['tokens_run'])} steps, CPU {blob['cpu_s']['total']:.0f} s "
               f"(validation {blob['cpu_s']['validation']:.0f} s, samples {blob['cpu_s']['samples']:.0f} s), wall {time.perf_counter() - t0:.0f} s, "
               f"L̄ {blob['curve'][0]['lbar']:.4f} -> {blob['curve'][-1]['lbar']:.4f}", flush=True)  # fmt: skip
+
+
+def clear_stopped_claims(out: Path) -> None:
+    """Free the runs a stopped study had claimed; a live worker's (another launch on this folder) stay claimed."""
+    for claim in out.rglob("*.claim"):
+        if not _alive(claim):
+            claim.unlink(missing_ok=True)
+
+
+def _alive(claim: Path) -> bool:
+    """Whether the worker that wrote ``claim`` still runs (a claim without a readable pid is a stopped one's)."""
+    try:
+        os.kill(int(claim.read_text()), 0)
+    except (OSError, ValueError):
+        return False
+    return True
 
 
 def _worker_command(argv: list[str]) -> list[str]:
@@ -504,8 +522,7 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"bench_quality: {args.out} holds runs that cannot be reused (move them away or use another --out):", file=sys.stderr)
         print("\n".join(f"  {r}" for r in refused), file=sys.stderr)
         return 2
-    for claim in Path(args.out).rglob("*.claim"):  # a stopped study's unfinished runs
-        claim.unlink()
+    clear_stopped_claims(Path(args.out))
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     codes = [w.wait() for w in [subprocess.Popen(_worker_command(argv), env=env) for _ in range(args.jobs)]]
     if any(codes):

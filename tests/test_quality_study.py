@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -154,3 +155,18 @@ def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
     summary = bench.summarize(args, argv)
     assert summary["protocol_revision"] and summary["default_margin"] is None
     assert "all0.5" in summary["concepts"]["concept"]["arms"] and bench.refusals(args, bench.planned_runs(args)) == []
+
+
+def test_a_launch_frees_a_stopped_workers_claims_and_keeps_a_live_ones(tmp_path) -> None:
+    """Two launches on one folder (a pilot and a study queued side by side): the second must not free the runs the
+    first's live workers hold, or both would train the same run and the first would lose its claim."""
+    import subprocess
+
+    stopped = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True, check=True)
+    runs = tmp_path / "runs" / "hatch"
+    runs.mkdir(parents=True)
+    (runs / "native_s0.claim").write_text(str(os.getpid()))  # this process: alive
+    (runs / "native_s1.claim").write_text(stopped.stdout.strip())  # a worker that has ended
+    (runs / "native_s2.claim").write_text("")  # a claim from before claims named their worker
+    _bench().clear_stopped_claims(tmp_path)
+    assert sorted(p.name for p in runs.iterdir()) == ["native_s0.claim"]

@@ -1,5 +1,5 @@
 """The same adapter, sooner? Time to quality of routed LoRA fine-tunes on three concepts, as
-``docs/fidelity/quality/PROTOCOL.md`` (version 1) fixes it; the protocol is the specification.
+``docs/fidelity/quality/PROTOCOL.md`` (version 2) fixes it; the protocol is the specification.
 
 Per concept (``lab.concept.task_data``) and seed, every arm is a twin of the native run
 (``hosts/lab/twin.py``) on the shipped multi-size base (``lab.base.load_base("multires")``), trained to
@@ -8,11 +8,13 @@ spent (``--schedule steps``: the sensitivity analysis, cosine over S steps), val
 unit on held-out crops at every σ stratum (the protocol's eight plus the midpoint of each routed band
 that holds none), every item's loss stored; at the end, 8 samples (``lab/generate.py``) and their
 spectrum distance to the held-out images. Arms: ``native``, ``default`` (the concept map's windows at
-ε = 0.2), ``eps<X>`` (the other margin, chosen by ``windows``), ``seed_recipe``, ``all0.5``.
+ε = 0.2), ``eps<X>`` (the other margin, chosen by ``windows``), ``interp`` (the windows at ε = 0.2 of the concept map
+with interpolated positions, run with them), ``seed_recipe``, ``all0.5``.
 
 Subcommands (the lead runs them in this order):
 
     python benchmarks/bench_quality.py windows --concept hatch --map MAP_JSON   # windows/<concept>_eps<X>.toml + the other margin
+    python benchmarks/bench_quality.py windows --concept hatch --map INTERP_MAP_JSON --positions interpolate  # the interp arm's
     python benchmarks/bench_quality.py pilot --concepts hatch,subject,style --jobs 2      # decides S per concept
     python benchmarks/bench_quality.py study --concepts hatch,subject,style --jobs 2      # resumable
     python benchmarks/bench_quality.py study --concepts hatch --schedule steps --jobs 2   # the sensitivity analysis
@@ -51,6 +53,8 @@ PILOT_STEPS = (400, 800)
 PILOT_MIN_GAIN, PILOT_MAX_LAST_QUARTER = 0.05, 0.10
 SENSITIVITY = {"concept": "hatch", "arms": ("native", "default"), "seeds": tuple(range(8))}
 CONTROL = "all0.5"
+INTERP = "interp"  # PROTOCOL §4 (version 2): the default margin's windows with interpolated positions
+INTERP_SETTING = ("keep", "interpolate", "plain")  # its map arms' (sigma_policy, positions, attention)
 QUALITY = 0.9
 MARGIN_SHARE = 0.1  # δ = this × mean native G
 REPS, BOOT_SEED = 2000, 0
@@ -183,6 +187,10 @@ def choice_path(concept: str, out: Path = OUT) -> Path:
     return out / "windows" / f"{concept}.json"
 
 
+def interp_path(concept: str, out: Path = OUT) -> Path:
+    return out / "windows" / f"{concept}_interp_eps{DEFAULT_MARGIN:g}.toml"
+
+
 def derive_windows(concept: str, map_json: Path, out: Path = OUT) -> dict[str, Any]:
     """Re-read a concept map at ε = 0.2 and the candidate other margins (the map command's own read and
     windows writer), apply the other-margin rule, and store the windows of 0.2 and the chosen margin and
@@ -210,6 +218,23 @@ def derive_windows(concept: str, map_json: Path, out: Path = OUT) -> dict[str, A
     return choice
 
 
+def derive_interp_windows(concept: str, map_json: Path, out: Path = OUT) -> Path:
+    """PROTOCOL §4 (version 2), arm ``interp``: the windows at ε = 0.2 of the concept map's latent arms with interpolated
+    positions (keep policy, plain attention), as the map writes them (``positions = "interpolate"`` in the file)."""
+    from downscale_plugin.mapping.estimator import MapResult
+    from downscale_plugin.mapping.windows import windows_toml
+
+    result = MapResult.from_json(json.loads(map_json.read_text()), margin=DEFAULT_MARGIN)
+    if INTERP_SETTING not in result.route_settings():
+        raise ValueError(f"{map_json}: no latent arms with interpolated positions (map --positions interpolate)")
+    command = f"python benchmarks/bench_quality.py windows --concept {concept} --map {map_json} --positions interpolate"
+    text = windows_toml(result, f"{result.provenance.get('command', '?')}; re-derived at ε = {DEFAULT_MARGIN:g}: {command}",
+                        setting=INTERP_SETTING)  # fmt: skip
+    (out / "windows").mkdir(parents=True, exist_ok=True)
+    interp_path(concept, out).write_text(text)
+    return interp_path(concept, out)
+
+
 def concept_arms(concept: str, out: Path = OUT) -> dict[str, dict[str, Any] | None]:
     """The concept's arms in the protocol's order, each with its plugin table (None: native)."""
     from downscale_plugin.config import read_plugin_toml
@@ -223,6 +248,12 @@ def concept_arms(concept: str, out: Path = OUT) -> dict[str, dict[str, Any] | No
     arms: dict[str, dict[str, Any] | None] = {"native": None, "default": read_plugin_toml(str(windows_path(concept, DEFAULT_MARGIN, out)))}
     if choice["other"] is not None:
         arms[f"eps{choice['other']:g}"] = read_plugin_toml(str(windows_path(concept, choice["other"], out)))
+    if not interp_path(concept, out).is_file():
+        raise FileNotFoundError(
+            f"{interp_path(concept, out)}: no interpolated-positions windows for {concept!r}; run: python "
+            f"benchmarks/bench_quality.py windows --concept {concept} --map MAP_JSON --positions interpolate"
+        )
+    arms[INTERP] = read_plugin_toml(str(interp_path(concept, out)))
     arms["seed_recipe"] = {"routes": list(SEED_RECIPE)}
     arms[CONTROL] = {"routes": list(ALL_HALF)}
     return arms
@@ -756,6 +787,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concept", help="windows: the concept whose map is read")
     parser.add_argument("--map", help="windows: the concept map's map.json")
     parser.add_argument(
+        "--positions",
+        default="plain",
+        choices=("plain", "interpolate"),
+        help="windows: the plain arms' windows at 0.2 and the other margin (default), or the interp arm's (a map with --positions interpolate)",
+    )
+    parser.add_argument(
         "--schedule",
         default="flops",
         choices=("flops", "steps"),
@@ -800,6 +837,9 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = parse_args(argv)
     out = Path(args.out)
+    if args.command == "windows" and args.positions == "interpolate":
+        print(f"wrote {derive_interp_windows(args.concept, Path(args.map), Path(args.windows))}")
+        return 0
     if args.command == "windows":
         choice = derive_windows(args.concept, Path(args.map), Path(args.windows))
         print(json.dumps(choice, indent=1))

@@ -1,4 +1,4 @@
-"""benchmarks/bench_quality.py as docs/fidelity/quality/PROTOCOL.md (version 1) fixes it: the other
+"""benchmarks/bench_quality.py as docs/fidelity/quality/PROTOCOL.md (version 2) fixes it: the other
 margin, the strata and their training-law weights, the protocol-descent refusal, the summary's keys,
 and one tiny run end to end."""
 
@@ -16,6 +16,7 @@ import torch
 
 ROOT = Path(__file__).resolve().parent.parent
 CONCEPT_MAP = ROOT / "docs" / "fidelity" / "lab_concept_n64_d8_n16" / "map.json"
+VARIANTS_MAP = ROOT / "docs" / "fidelity" / "multires" / "variants_t1024" / "map.json"  # has latent_0.75+interp
 
 
 def _bench():
@@ -143,6 +144,7 @@ def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
     try:
         choice = bench.derive_windows("concept", CONCEPT_MAP, tmp_path)
         assert choice["other"] is not None and (tmp_path / "windows" / "concept_eps0.2.toml").is_file()
+        bench.derive_interp_windows("concept", VARIANTS_MAP, tmp_path)
         argv = ["study", "--concepts", "concept", "--out", str(tmp_path), "--windows", str(tmp_path), "--steps", "2", "--points", "1",
                 "--val_per_bucket", "1", "--val_draws", "1", "--samples", "1", "--arms", "native,all0.5", "--seeds", "0"]  # fmt: skip
         args = bench.parse_args(argv)
@@ -170,3 +172,26 @@ def test_a_launch_frees_a_stopped_workers_claims_and_keeps_a_live_ones(tmp_path)
     (runs / "native_s2.claim").write_text("")  # a claim from before claims named their worker
     _bench().clear_stopped_claims(tmp_path)
     assert sorted(p.name for p in runs.iterdir()) == ["native_s0.claim"]
+
+
+def test_the_interp_arm_reads_the_maps_interpolated_arms_at_the_default_margin(tmp_path) -> None:
+    """PROTOCOL version 2: ``interp`` runs the windows that the map's interpolated-positions arms certify at ε = 0.2, with
+    ``positions = "interpolate"``; a concept has no study until its interp windows exist, and a map without such arms
+    cannot give them."""
+    from downscale_plugin.config import load_config, read_plugin_toml
+
+    bench = _bench()
+    path = bench.derive_interp_windows("hatch", VARIANTS_MAP, tmp_path)
+    config = load_config(plugin_toml=read_plugin_toml(str(path)))
+    assert config.fasterdit.positions == "interpolate" and config.fasterdit.sigma_policy == "keep"
+    assert [(r.label, r.sigma_min, r.sigma_max) for r in config.routes] == [("512:384", 0.8, None)]  # plain's is (0.9, 1]
+    with pytest.raises(ValueError, match="no latent arms with interpolated positions"):
+        bench.derive_interp_windows("hatch", CONCEPT_MAP, tmp_path)
+
+    bench.derive_windows("hatch", CONCEPT_MAP, tmp_path)
+    (tmp_path / "windows" / "hatch_interp_eps0.2.toml").rename(tmp_path / "aside.toml")
+    with pytest.raises(FileNotFoundError, match="--positions interpolate"):
+        bench.concept_arms("hatch", tmp_path)
+    (tmp_path / "aside.toml").rename(tmp_path / "windows" / "hatch_interp_eps0.2.toml")
+    arms = bench.concept_arms("hatch", tmp_path)
+    assert list(arms) == ["native", "default", "eps0.3", "interp", "seed_recipe", "all0.5"]

@@ -90,6 +90,12 @@ def test_the_summary_holds_the_output_contract_from_two_stored_maps(tmp_path):
         for p in summary["extrapolated"]["4096"][ratio]:
             assert p["lo"] <= p["mean"] <= p["hi"]
     assert build.small_tokens((128, 128), 0.75, "flux") == 2304 and build.small_tokens((64, 64), 0.875, "flux") == 784
+    for route in summary["routes"].values():
+        assert set(route["window"]["measured_sigma_min"]) == set(route["window"]["certified_sigma_min"]) == {"256", "1024"}
+        for b in route["bins"]:
+            assert b["fit"]["dof"] == 0 and b["fit"]["p"] is None  # two points, two parameters: nothing to test the fit by
+    assert set(summary["economics"]) == {"extrapolated", "256", "1024"}
+    assert all(0.0 <= m["flops_saved"] <= m["routed"] <= 1.0 for m in summary["economics"].values())
     assert {"latent_0.75@snr_match+interp", "latent_0.75+interp"} <= set(summary["variants"])
     assert all({"mean", "lo", "hi"} <= set(b["vs_plain"]) for v in summary["variants"].values() for b in v["bins"])
 
@@ -104,3 +110,25 @@ def test_maps_with_different_bins_or_the_same_size_are_refused():
         build.task_scaling([build.load_map(fidelity / "lab_n32_d8_n16" / "map.json"), variants], 0.2)
     with pytest.raises(ValueError, match="share a native token count"):
         build.task_scaling([n64, json.loads(json.dumps(n64))], 0.2)
+
+
+def test_stacked_windows_route_as_the_router_stacks_them():
+    """Deepest route first; a shallower route whose window a deeper one covers never fires, so it changes nothing;
+    no window routes nothing; a window from σ = 0 routes every step."""
+    build, _ = _build()
+    assert build.stacked_economics({0.5: None, 0.75: None}) == {"routed": 0.0, "flops_saved": 0.0}
+    all_075 = build.stacked_economics({0.75: 0.0})
+    assert all_075["routed"] == pytest.approx(1.0)
+    assert build.stacked_economics({0.75: 0.0, 0.875: 0.5}) == pytest.approx(all_075)
+    top_05 = build.stacked_economics({0.5: 0.9})
+    both = build.stacked_economics({0.5: 0.9, 0.75: 0.0})
+    assert both["routed"] == pytest.approx(1.0) and both["flops_saved"] > all_075["flops_saved"]
+    assert 0.0 < top_05["routed"] < 1.0 and top_05["flops_saved"] < both["flops_saved"]
+
+
+def test_a_fit_that_misses_its_points_reports_a_small_p_value():
+    build, _ = _build()
+    good = build._fit_entry(best_fit(TOKENS, [0.05, 0.04, 0.03], [0.01, 0.01, 0.01]))
+    bad = build._fit_entry(best_fit(TOKENS, [0.03, 0.09, 0.01], [0.005, 0.005, 0.005]))
+    assert good["dof"] == bad["dof"] == 1
+    assert good["p"] > 0.05 > bad["p"]

@@ -132,3 +132,14 @@ def test_a_fit_that_misses_its_points_reports_a_small_p_value():
     bad = build._fit_entry(best_fit(TOKENS, [0.03, 0.09, 0.01], [0.005, 0.005, 0.005]))
     assert good["dof"] == bad["dof"] == 1
     assert good["p"] > 0.05 > bad["p"]
+
+
+def test_the_top_window_walks_the_bins_down_from_sigma_one_and_skips_the_endpoint():
+    """The σ = 1 point alone opens no window (a single point is none), and an unsafe σ = 1 point does not close
+    a window the bins below it open."""
+    build, _ = _build()
+    bins = [{"sigma_lo": lo, "sigma_hi": hi} for lo, hi in ((0.0, 0.5), (0.5, 0.9), (0.9, 1.0), (1.0, 1.0))]
+    assert build._top_window(bins, [False, False, False, True]) is None
+    assert build._top_window(bins, [False, True, True, False]) == 0.5
+    assert build._top_window(bins, [True, False, True, True]) == 0.9
+    assert build._top_window(bins, [True, True, True, True]) == 0.0

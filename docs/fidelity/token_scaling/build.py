@@ -86,9 +86,12 @@ def _check_same_grid(maps: list[dict[str, Any]]) -> None:
 
 
 def _top_window(bins: list[dict[str, Any]], safe: list[bool]) -> float | None:
-    """σ_min of the window contiguous from the top bin down (None: the top bin is not safe)."""
+    """σ_min of the window contiguous from the top bin down (None: the top bin is not safe). The σ = 1 point is
+    left out of the walk: a single point is no window, and a window that stops short of it is closed at 1, as
+    ``mapping/windows.py`` stacks them."""
     lo = None
-    for b, ok in sorted(zip(bins, safe, strict=True), key=lambda p: -p[0]["sigma_hi"]):
+    spans = [(b, ok) for b, ok in zip(bins, safe, strict=True) if b["sigma_lo"] < b["sigma_hi"]]
+    for b, ok in sorted(spans, key=lambda p: -p[0]["sigma_hi"]):
         if not ok:
             break
         lo = b["sigma_lo"]

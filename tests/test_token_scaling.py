@@ -143,3 +143,43 @@ def test_the_top_window_walks_the_bins_down_from_sigma_one_and_skips_the_endpoin
     assert build._top_window(bins, [False, True, True, False]) == 0.5
     assert build._top_window(bins, [True, False, True, True]) == 0.9
     assert build._top_window(bins, [True, True, True, True]) == 0.0
+
+
+def test_the_stored_summary_is_what_the_build_gives_from_the_stored_maps(tmp_path):
+    """docs/fidelity/token_scaling/summary.json holds the output contract at three native token counts spanning
+    4 ×, on the corpus and on the posters, and rebuilding it from the stored maps gives the same numbers: the
+    figures the docs quote cannot drift from the maps they come from."""
+    import json
+
+    build, fidelity = _build()
+    stored = json.loads((fidelity / "token_scaling" / "summary.json").read_text())
+    assert stored["token_counts"] == [576, 1024, 2304] and set(stored["tasks"]) == {"corpus", "hatch"}
+    args = []
+    for task, body in stored["tasks"].items():
+        args += ["--maps", f"{task}=" + ",".join(str(fidelity.parent.parent / m["path"]) for m in body["maps"])]
+    variants = fidelity / "multires" / "variants_t1024" / "map.json"
+    assert build.main([*args, "--variants", str(variants), "--out", str(tmp_path)]) == 0
+    rebuilt = json.loads((tmp_path / "summary.json").read_text())
+    for task in stored["tasks"]:
+        for key in ("token_counts", "routes", "extrapolated", "economics"):
+            _assert_same(rebuilt["tasks"][task][key], stored["tasks"][task][key], f"{task}.{key}")
+    _assert_same(rebuilt["variants"], stored["variants"], "variants")
+    for ratio in ("0.875", "0.75", "0.5"):
+        assert all({"mean", "lo", "hi"} <= set(p) for p in stored["extrapolated"]["4096"][ratio])
+
+
+def _assert_same(got, want, where="summary"):
+    """Equal structure and strings, numbers equal to float rounding (the fits' linear algebra may differ in the
+    last bits between machines)."""
+    if isinstance(want, dict):
+        assert sorted(got) == sorted(want), where
+        for k in want:
+            _assert_same(got[k], want[k], f"{where}.{k}")
+    elif isinstance(want, list):
+        assert len(got) == len(want), where
+        for i, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_same(g, w, f"{where}[{i}]")
+    elif isinstance(want, float) and not isinstance(got, bool):
+        assert got == pytest.approx(want, rel=1e-9, abs=1e-12), where
+    else:
+        assert got == want, where

@@ -1,5 +1,5 @@
 """The same adapter, sooner? Time to quality of routed LoRA fine-tunes on three concepts, as
-``docs/fidelity/quality/PROTOCOL.md`` (version 2) fixes it; the protocol is the specification.
+``docs/fidelity/quality/PROTOCOL.md`` (version 3) fixes it; the protocol is the specification.
 
 Per concept (``lab.concept.task_data``) and seed, every arm is a twin of the native run
 (``hosts/lab/twin.py``) on the shipped multi-size base (``lab.base.load_base("multires")``), trained to
@@ -17,7 +17,7 @@ Subcommands (the lead runs them in this order):
     python benchmarks/bench_quality.py windows --concept hatch --map INTERP_MAP_JSON --positions interpolate  # the interp arm's
     python benchmarks/bench_quality.py pilot --concepts hatch,subject,style --jobs 2      # decides S per concept
     python benchmarks/bench_quality.py study --concepts hatch,subject,style --jobs 2      # resumable
-    python benchmarks/bench_quality.py study --concepts hatch --schedule steps --jobs 2   # the sensitivity analysis
+    python benchmarks/bench_quality.py study --concepts style --schedule steps --jobs 2   # the sensitivity analysis
     python benchmarks/bench_quality.py report                                            # aggregates what is stored
 
 Every run records its code revision and the protocol's; a code revision that does not descend from
@@ -51,7 +51,7 @@ CONTROL_SEEDS = tuple(range(8))
 PILOT_SEEDS = (100, 101)
 PILOT_STEPS = (400, 800)
 PILOT_MIN_GAIN, PILOT_MAX_LAST_QUARTER = 0.05, 0.10
-SENSITIVITY = {"concept": "hatch", "arms": ("native", "default"), "seeds": tuple(range(8))}
+SENSITIVITY = {"arms": ("native", "default"), "seeds": tuple(range(8))}  # on sensitivity_concept(): PROTOCOL §1
 CONTROL = "all0.5"
 INTERP = "interp"  # PROTOCOL §4 (version 2): the default margin's windows with interpolated positions
 INTERP_SETTING = ("keep", "interpolate", "plain")  # its map arms' (sigma_policy, positions, attention)
@@ -177,6 +177,13 @@ def other_margin(shares: dict[float, float]) -> float | None:
             if abs(shares[eps] - shares[DEFAULT_MARGIN]) > 1e-12:
                 return eps
     return None
+
+
+def sensitivity_concept(out: Path = OUT) -> str:
+    """PROTOCOL §1 (version 3): the concept whose ``default`` windows route the largest share of the training σ
+    law's steps, the first in the protocol's order on a tie: where more, cheaper steps make the schedule matter most."""
+    shares = {c: json.loads(choice_path(c, out).read_text())["routed_share"][f"{DEFAULT_MARGIN:g}"] for c in CONCEPTS}
+    return max(CONCEPTS, key=lambda c: (shares[c], -list(CONCEPTS).index(c)))
 
 
 def windows_path(concept: str, eps: float, out: Path = OUT) -> Path:
@@ -701,16 +708,27 @@ def default_margin(concepts: dict[str, Any], expected: list[str]) -> dict[str, A
     return {"value": None, "why": "no margin is non-inferior on every concept: version 2 of the protocol adds ε = 0.1 arms (PROTOCOL §6)"}
 
 
+def runs_protocol(runs: list[dict[str, Any]]) -> str | None:
+    """The protocol revision the runs ran under (each records it): the summary's, whatever this checkout's
+    PROTOCOL.md has become since (a later version changes what later runs do, not what these did)."""
+    revisions = {r["protocol_revision"] for r in runs}
+    if len(revisions) > 1:
+        raise ValueError(f"the runs ran under several protocol revisions ({', '.join(sorted(map(str, revisions)))}): report each apart")
+    return revisions.pop() if revisions else protocol_revision()
+
+
 def summarize(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     out = Path(args.out)
-    concepts = {}
+    concepts, loaded = {}, []
     for concept in args.concept_list:
         folder = out / "runs" / (concept if args.schedule == "flops" else f"{concept}_steps")
-        concepts[concept] = summarize_concept(concept, load_runs(folder), concept_arms(concept, Path(args.windows)))
+        runs = load_runs(folder)
+        loaded += runs.values()
+        concepts[concept] = summarize_concept(concept, runs, concept_arms(concept, Path(args.windows)))
     dm = default_margin(concepts, list(CONCEPTS)) if args.schedule == "flops" else {"value": None, "why": "sensitivity analysis"}
     code = code_state()
     return {
-        "protocol_revision": protocol_revision(),
+        "protocol_revision": runs_protocol(loaded),
         "default_margin": dm["value"],
         "default_margin_why": dm["why"],
         "schedule": args.schedule,
@@ -796,7 +814,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--schedule",
         default="flops",
         choices=("flops", "steps"),
-        help="cosine over the FLOPs spent (primary) or over S steps (sensitivity, hatch)",
+        help="cosine over the FLOPs spent (primary) or over S steps (the sensitivity analysis, on one concept: PROTOCOL §1)",
     )
     parser.add_argument("--arms", default="", help="study: only these arms (default: every arm of each concept)")
     parser.add_argument("--seeds", default="", help="study: only these seeds (default: the protocol's)")
@@ -823,8 +841,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
     if args.command == "windows" and (args.concept not in CONCEPTS or not args.map):
         problems.append(f"windows needs --concept (one of {', '.join(CONCEPTS)}) and --map MAP_JSON")
-    if args.schedule == "steps" and args.concept_list != [SENSITIVITY["concept"]]:
-        problems.append(f"--schedule steps is the sensitivity analysis: --concepts {SENSITIVITY['concept']} only (PROTOCOL §1)")
+    if args.schedule == "steps" and args.command != "windows":
+        try:
+            concept = sensitivity_concept(Path(args.windows))
+        except (OSError, KeyError, ValueError) as e:
+            problems.append(f"--schedule steps: the sensitivity concept is read from the windows' choices ({e})")
+        else:
+            if args.concept_list != [concept]:
+                problems.append(f"--schedule steps is the sensitivity analysis: --concepts {concept} only (PROTOCOL §1)")
     problems += [
         f"--{k} must be >= 1" for k in ("points", "val_per_bucket", "val_draws", "samples", "rank", "jobs") if getattr(args, k) < 1
     ]

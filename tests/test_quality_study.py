@@ -1,6 +1,6 @@
-"""benchmarks/bench_quality.py as docs/fidelity/quality/PROTOCOL.md (version 2) fixes it: the other
-margin, the strata and their training-law weights, the protocol-descent refusal, the summary's keys,
-and one tiny run end to end."""
+"""benchmarks/bench_quality.py as docs/fidelity/quality/PROTOCOL.md (version 3) fixes it: the other
+margin, the strata and their training-law weights, the sensitivity's concept, the protocol-descent refusal,
+the summary's keys and protocol revision, and one tiny run end to end."""
 
 from __future__ import annotations
 
@@ -195,3 +195,37 @@ def test_the_interp_arm_reads_the_maps_interpolated_arms_at_the_default_margin(t
     (tmp_path / "aside.toml").rename(tmp_path / "windows" / "hatch_interp_eps0.2.toml")
     arms = bench.concept_arms("hatch", tmp_path)
     assert list(arms) == ["native", "default", "eps0.3", "interp", "seed_recipe", "all0.5"]
+
+
+def _choices(folder: Path, shares: dict[str, float]) -> Path:
+    (folder / "windows").mkdir(parents=True, exist_ok=True)
+    for concept, share in shares.items():
+        (folder / "windows" / f"{concept}.json").write_text(json.dumps({"routed_share": {"0.2": share, "0.3": 1.0}}))
+    return folder
+
+
+def test_the_sensitivity_runs_on_the_concept_whose_default_windows_route_most(tmp_path, capsys) -> None:
+    """PROTOCOL §1 (version 3): on the shipped windows the posters' default arm is windowless (the native run), so the
+    sensitivity goes to the concept whose default routes the largest share, style; a tie keeps the protocol's order,
+    and ``--schedule steps`` on another concept is refused with the one it must be."""
+    bench = _bench()
+    assert bench.sensitivity_concept() == "style"
+    assert bench.sensitivity_concept(_choices(tmp_path / "a", {"hatch": 0.5, "subject": 0.2, "style": 0.4})) == "hatch"
+    assert bench.sensitivity_concept(_choices(tmp_path / "b", {"hatch": 0.1, "subject": 0.4, "style": 0.4})) == "subject"
+    assert bench.parse_args(["study", "--concepts", "style", "--schedule", "steps"]).schedule == "steps"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["study", "--concepts", "hatch", "--schedule", "steps"])
+    assert "--concepts style only (PROTOCOL §1)" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        bench.parse_args(["study", "--concepts", "style", "--schedule", "steps", "--windows", str(tmp_path / "none")])
+    assert "the sensitivity concept is read from the windows' choices" in capsys.readouterr().err
+
+
+def test_the_summary_records_the_protocol_its_runs_ran_under() -> None:
+    """A later protocol version (a new sensitivity concept, say) changes what later runs do, not what stored runs did:
+    the summary carries their revision, and runs under two revisions are refused rather than summarised as one."""
+    bench = _bench()
+    assert bench.runs_protocol([{"protocol_revision": "v2"}, {"protocol_revision": "v2"}]) == "v2"
+    assert bench.runs_protocol([]) == bench.protocol_revision()
+    with pytest.raises(ValueError, match="several protocol revisions"):
+        bench.runs_protocol([{"protocol_revision": "v2"}, {"protocol_revision": "v3"}])

@@ -748,6 +748,46 @@ def _ratio(d: dict[str, Any]) -> str:
     return f"{d['ratio']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]{capped} {d['reached']}/{d['seeds']}"
 
 
+CONCEPT_LABELS = {"hatch": "hatch (fine detail at the grid's Nyquist)", "subject": "subject (one motorcycle)",
+                  "style": "style (a grade and a halftone screen)"}  # fmt: skip
+
+
+def arm_label(arm: str, default_margin: float | None) -> str:
+    """An arm's name for readers: its windows' margin, and whether that is the package's default."""
+    named = {"seed_recipe": "the seed paper's recipe", CONTROL: "every step at 0.5 (the control)",
+             INTERP: f"windows at ε = {DEFAULT_MARGIN:g}, interpolated positions"}  # fmt: skip
+    if arm in named:
+        return named[arm]
+    eps = DEFAULT_MARGIN if arm == "default" else float(arm.removeprefix("eps"))
+    return f"windows at ε = {eps:g}" + (" (default margin)" if eps == default_margin else "")
+
+
+def readme_table(summary: dict[str, Any]) -> str:
+    """The README's first-screen table (PROTOCOL §6 and the issue's layout): per concept and arm, steps routed, time
+    to 90 % in FLOPs and CPU (arm ÷ native, interval, '≥' where a seed never reached it) and the worst stratum at
+    equal FLOPs (arm − native; bold where its interval lies wholly above the concept's margin δ)."""
+    lines = ["| concept | arm | steps routed | FLOPs to 90 % | CPU s to 90 % | worst stratum at equal FLOPs |", "|---|---|---|---|---|---|"]
+    for name, c in summary["concepts"].items():
+        label = CONCEPT_LABELS.get(name, name)
+        for arm, e in c["arms"].items():
+            if arm == "native" or not (e.get("windowless") or "decision" in e):
+                continue
+            row_label, label = label, ""
+            if e.get("windowless"):
+                lines.append(
+                    f"| {row_label} | {arm_label(arm, summary['default_margin'])} | 0 % (no window certified: the native run) | 1 | 1 | — |"
+                )
+                continue
+            tq, worst = e["time_to_quality"], max(e["equal_compute_by_sigma"], key=lambda s: s["diff"])
+            cell = f"σ {worst['sigma']:g}: {worst['diff']:+.3f} [{worst['lo']:+.3f}, {worst['hi']:+.3f}]".replace("-", "−")
+            if worst["lo"] > c["delta"]:
+                cell = f"σ {worst['sigma']:g}: **{worst['diff']:+.3f}** [{worst['lo']:+.3f}, {worst['hi']:+.3f}]".replace("-", "−")
+            ratio = lambda d: ("≥ " if d["reached"] < d["seeds"] else "") + f"{d['ratio']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]"  # noqa: E731
+            lines.append(f"| {row_label} | {arm_label(arm, summary['default_margin'])} | {100 * e['steps_routed']:.1f} % | "
+                         f"{ratio(tq['flops'])} | {ratio(tq['cpu'])} | {cell} |")  # fmt: skip
+    return "\n".join(lines) + "\n"
+
+
 def report(summary: dict[str, Any]) -> str:
     lines = [
         f"# Quality study (PROTOCOL.md at {str(summary['protocol_revision'])[:12]}; schedule over {summary['schedule']})",
@@ -792,6 +832,7 @@ def report(summary: dict[str, Any]) -> str:
         ]
         for k, (s, w) in enumerate(zip(c["validation"]["sigmas"], c["validation"]["weights"], strict=True)):
             lines.append(f"| {s:g} | {w:.3f} | " + " | ".join(_iv(c["arms"][a]["equal_compute_by_sigma"][k]) for a in arms) + " |")
+    lines += ["", "## The README's table", "", readme_table(summary).rstrip("\n")]
     return "\n".join(lines) + "\n"
 
 

@@ -130,6 +130,15 @@ def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
     summary = {"protocol_revision": "p", "default_margin": None, "default_margin_why": "x", "schedule": "flops", "code_revision": "c",
                "command": "c", "concepts": {"hatch": block}}  # fmt: skip
     assert "| hatch | default |" in bench.report(summary)
+    table = bench.readme_table({**summary, "default_margin": 0.2}).splitlines()
+    assert [row.split(" | ")[1] for row in table[2:]] == ["windows at ε = 0.2 (default margin)", "windows at ε = 0.05",
+                                                          "every step at 0.5 (the control)"]  # fmt: skip
+    assert table[2].startswith("| hatch (fine detail at the grid's Nyquist) |") and table[3].startswith("|  |")
+    assert "0 % (no window certified: the native run)" in table[3]
+    worst = max(control["equal_compute_by_sigma"], key=lambda s: s["diff"])
+    assert f"σ {worst['sigma']:g}: **+" in table[4] and worst["lo"] > block["delta"]  # beyond the margin: bold
+    assert table[4].split(" | ")[3].startswith("≥ ") == (control["time_to_quality"]["flops"]["reached"] < 4)
+    assert "**" not in table[2] and "(default margin)" not in bench.readme_table(summary)
     assert bench.default_margin({"hatch": block}, ["hatch", "subject"])["value"] is None  # a concept missing
 
 

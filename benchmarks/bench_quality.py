@@ -158,6 +158,15 @@ def bands(table: dict[str, Any] | None) -> list[tuple[float, float]]:
     return [(r.sigma_min, 1.0 if r.sigma_max is None else r.sigma_max) for r in load_config(plugin_toml=table).routes]
 
 
+def route_windows(table: dict[str, Any] | None) -> list[tuple[str, float, float | None]]:
+    """An arm's windows, route by route (none for native or a windowless table)."""
+    from downscale_plugin.config import load_config
+
+    if not table or table.get("enable") is False:
+        return []
+    return sorted((r.label, r.sigma_min, r.sigma_max) for r in load_config(plugin_toml=table).routes)
+
+
 def routed_share(table: dict[str, Any] | None) -> float:
     """The training σ law's mass on the union of an arm's bands: the share of steps it routes (every lab
     bucket lies in the windows' tier, so a window applies to every step whose σ falls in it)."""
@@ -677,6 +686,8 @@ def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]],
                 sooner={k: stats["time_to_quality"][k]["hi"] < 1.0 for k in ("flops", "cpu")},
             )  # fmt: skip
         block["arms"][arm] = entry
+    if INTERP in tables:
+        block["interp_windows_differ"] = route_windows(tables[INTERP]) != route_windows(tables["default"])
     control = block["arms"].get(CONTROL)
     if control and "decision" in control:
         block["control_informative"] = control["decision"] == "fails" and control["sample_metric"]["lo"] > 0
@@ -689,23 +700,55 @@ def flops_saved_per_step(runs: list[dict[str, Any]]) -> float:
     return 1 - sum(ratios) / len(ratios)
 
 
+def arms_complete(concepts: dict[str, Any], expected: list[str]) -> bool:
+    """Every concept has every arm decided on all the protocol's seeds (a windowless arm is its native run)."""
+    return all(c in concepts and len([n for n in concepts[c]["arms"] if n != "native"]) >= 3
+               and all(e.get("windowless") or ("decision" in e and tuple(e["seeds"]) == arm_seeds(n))
+                       for n, e in concepts[c]["arms"].items() if n != "native") for c in expected)  # fmt: skip
+
+
+def non_inferior(entry: dict[str, Any]) -> bool:
+    """PROTOCOL §5's decision; a windowless arm routes nothing, so it is its native run and non-inferior by construction."""
+    return bool(entry.get("windowless")) or entry.get("decision") == "non-inferior"
+
+
 def default_margin(concepts: dict[str, Any], expected: list[str]) -> dict[str, Any]:
-    """PROTOCOL §6: the widest ε among the arms run that is non-inferior on every concept; None while a
-    concept lacks an arm's runs (or none is, with what the protocol says follows)."""
-    complete = all(c in concepts and concepts[c]["arms"] and all("decision" in e or e.get("windowless") for n, e in concepts[c]["arms"].items() if n != "native")
-                   and len([n for n in concepts[c]["arms"] if n != "native"]) >= 3 for c in expected)  # fmt: skip
-    if not complete:
+    """PROTOCOL §6: the widest ε among the arms run that is non-inferior on every concept; None until every
+    concept has every arm on every seed (or when none is, with what the protocol says follows)."""
+    if not arms_complete(concepts, expected):
         return {"value": None, "why": "not every concept has complete arms"}
     margins: dict[float, list[str]] = {}
     for c in expected:
         for name, e in concepts[c]["arms"].items():
             eps = DEFAULT_MARGIN if name == "default" else float(name[3:]) if name.startswith("eps") else None
-            if eps is not None and e.get("decision") == "non-inferior":
+            if eps is not None and non_inferior(e):
                 margins.setdefault(eps, []).append(c)
     ok = [eps for eps, cs in margins.items() if set(cs) == set(expected)]
     if ok:
         return {"value": max(ok), "why": "the widest margin non-inferior on every concept"}
-    return {"value": None, "why": "no margin is non-inferior on every concept: version 2 of the protocol adds ε = 0.1 arms (PROTOCOL §6)"}
+    return {
+        "value": None,
+        "why": "no margin is non-inferior on every concept: a new version of the protocol adds ε = 0.1 arms (PROTOCOL §6)",
+    }
+
+
+def default_positions(concepts: dict[str, Any], expected: list[str]) -> dict[str, Any]:
+    """PROTOCOL §6, positions: ``interpolate`` only if the interp arm is non-inferior on every concept and its FLOPs
+    time to quality is below the default arm's wherever their windows differ (a windowless arm's is native's, 1)."""
+    if not arms_complete(concepts, expected):
+        return {"value": None, "why": "not every concept has complete arms"}
+    ratio = lambda e: 1.0 if e.get("windowless") else e["time_to_quality"]["flops"]["ratio"]  # noqa: E731
+    for c in expected:
+        arms = concepts[c]["arms"]
+        interp, default = arms[INTERP], arms["default"]
+        if not non_inferior(interp):
+            return {"value": "plain", "why": f"the interp arm is {interp['decision']} on {c}"}
+        if concepts[c]["interp_windows_differ"] and not ratio(interp) < ratio(default):
+            return {
+                "value": "plain",
+                "why": f"on {c} the interp arm is not sooner in FLOPs than the default arm ({ratio(interp):.3f} vs {ratio(default):.3f})",
+            }
+    return {"value": "interpolate", "why": "the interp arm is non-inferior on every concept and sooner wherever its windows differ"}
 
 
 def runs_protocol(runs: list[dict[str, Any]]) -> str | None:
@@ -725,12 +768,16 @@ def summarize(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         runs = load_runs(folder)
         loaded += runs.values()
         concepts[concept] = summarize_concept(concept, runs, concept_arms(concept, Path(args.windows)))
-    dm = default_margin(concepts, list(CONCEPTS)) if args.schedule == "flops" else {"value": None, "why": "sensitivity analysis"}
+    primary = args.schedule == "flops"
+    dm = default_margin(concepts, list(CONCEPTS)) if primary else {"value": None, "why": "sensitivity analysis"}
+    dp = default_positions(concepts, list(CONCEPTS)) if primary else {"value": None, "why": "sensitivity analysis"}
     code = code_state()
     return {
         "protocol_revision": runs_protocol(loaded),
         "default_margin": dm["value"],
         "default_margin_why": dm["why"],
+        "default_positions": dp["value"],
+        "default_positions_why": dp["why"],
         "schedule": args.schedule,
         "code_revision": (code["revision"] or "?") + (f"+{code['uncommitted']}" if code["uncommitted"] else ""),
         "command": "python benchmarks/bench_quality.py " + " ".join(argv),
@@ -793,7 +840,8 @@ def report(summary: dict[str, Any]) -> str:
         f"# Quality study (PROTOCOL.md at {str(summary['protocol_revision'])[:12]}; schedule over {summary['schedule']})",
         "",
         f"Code {summary['code_revision'][:12]}; `{summary['command']}`. Intervals: 95 % percentile, two-way bootstrap "
-        f"({REPS} replicates, seed {BOOT_SEED}). Default margin (PROTOCOL §6): {summary['default_margin']} ({summary['default_margin_why']}).",
+        f"({REPS} replicates, seed {BOOT_SEED}). Default margin (PROTOCOL §6): {summary['default_margin']} ({summary['default_margin_why']}); "
+        f"default positions: {summary['default_positions']} ({summary['default_positions_why']}).",
         "",
         "| concept | arm | seeds | steps routed | FLOPs saved per step | FLOPs to 90 % (reached) | CPU s to 90 % (reached) | L̄ at one unit, arm − native | worst stratum | sample metric | decision |",
         "|---|---|---|---|---|---|---|---|---|---|---|",

@@ -127,8 +127,8 @@ def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
     control = block["arms"]["all0.5"]
     assert control["decision"] == "fails" and control["sample_metric"]["lo"] > 0 and block["control_informative"]
     assert block["delta"] == pytest.approx(0.01, rel=0.1)
-    summary = {"protocol_revision": "p", "default_margin": None, "default_margin_why": "x", "schedule": "flops", "code_revision": "c",
-               "command": "c", "concepts": {"hatch": block}}  # fmt: skip
+    summary = {"protocol_revision": "p", "default_margin": None, "default_margin_why": "x", "default_positions": None,
+               "default_positions_why": "x", "schedule": "flops", "code_revision": "c", "command": "c", "concepts": {"hatch": block}}  # fmt: skip
     assert "| hatch | default |" in bench.report(summary)
     table = bench.readme_table({**summary, "default_margin": 0.2}).splitlines()
     assert [row.split(" | ")[1] for row in table[2:]] == ["windows at ε = 0.2 (default margin)", "windows at ε = 0.05",
@@ -238,3 +238,53 @@ def test_the_summary_records_the_protocol_its_runs_ran_under() -> None:
     assert bench.runs_protocol([]) == bench.protocol_revision()
     with pytest.raises(ValueError, match="several protocol revisions"):
         bench.runs_protocol([{"protocol_revision": "v2"}, {"protocol_revision": "v3"}])
+
+
+def _decided(decision: str, ratio: float = 0.9, seeds: int = 16) -> dict:
+    return {"decision": decision, "seeds": list(range(seeds)), "time_to_quality": {"flops": {"ratio": ratio}}}
+
+
+def _concept(default: dict, eps: dict, interp: dict, differ: bool = True) -> dict:
+    arms = {"native": {}, "default": default, "eps0.3": eps, "interp": interp, "seed_recipe": _decided("fails"),
+            "all0.5": _decided("fails", seeds=8)}  # fmt: skip
+    return {"arms": arms, "interp_windows_differ": differ}
+
+
+def test_default_margin_and_positions_follow_protocol_section_6() -> None:
+    """The widest margin non-inferior on every concept, a windowless arm (the native run) counting as non-inferior;
+    nothing until every arm has every seed; positions interpolate only if interp is non-inferior everywhere and sooner
+    in FLOPs wherever its windows differ from the default arm's."""
+    bench = _bench()
+    windowless = {"windowless": True}
+    ok, wider = _decided("non-inferior", 0.8), _decided("non-inferior", 0.7)
+    concepts = {"hatch": _concept(windowless, wider, windowless, differ=False),
+                "subject": _concept(ok, wider, _decided("non-inferior", 0.75)),
+                "style": _concept(ok, _decided("inconclusive"), _decided("non-inferior", 0.7))}  # fmt: skip
+    expected = ["hatch", "subject", "style"]
+    assert bench.default_margin(concepts, expected) == {"value": 0.2, "why": "the widest margin non-inferior on every concept"}
+    assert bench.default_positions(concepts, expected)["value"] == "interpolate"
+    concepts["style"]["arms"]["eps0.3"] = _decided("non-inferior")
+    assert bench.default_margin(concepts, expected)["value"] == 0.3
+    concepts["subject"]["arms"]["interp"] = _decided("non-inferior", 0.85)  # windows differ, later than default's 0.8
+    assert bench.default_positions(concepts, expected) == {
+        "value": "plain", "why": "on subject the interp arm is not sooner in FLOPs than the default arm (0.850 vs 0.800)"}  # fmt: skip
+    concepts["subject"]["interp_windows_differ"] = False  # the same windows: the estimate is not compared
+    assert bench.default_positions(concepts, expected)["value"] == "interpolate"
+    concepts["style"]["arms"]["interp"] = _decided("inconclusive", 0.5)
+    assert bench.default_positions(concepts, expected) == {"value": "plain", "why": "the interp arm is inconclusive on style"}
+    concepts["hatch"]["arms"]["eps0.3"] = _decided("non-inferior", seeds=15)  # a seed missing: no decision yet
+    assert bench.default_margin(concepts, expected)["value"] is None
+    assert bench.default_positions(concepts, expected)["why"] == "not every concept has complete arms"
+    concepts["hatch"]["arms"]["eps0.3"] = _decided("fails")
+    concepts["subject"]["arms"]["default"] = _decided("inconclusive")
+    assert bench.default_margin(concepts, expected)["value"] is None  # 0.2 inconclusive on subject, 0.3 fails on hatch
+
+
+def test_the_interp_windows_differ_only_where_the_routes_do() -> None:
+    bench = _bench()
+    tables = bench.concept_arms("hatch")
+    assert bench.route_windows(tables["default"]) == [] == bench.route_windows(tables["interp"])  # both windowless
+    subject, style = bench.concept_arms("subject"), bench.concept_arms("style")
+    assert bench.route_windows(subject["default"]) != bench.route_windows(subject["interp"])  # 0.5 above 0.95 vs 0.925
+    assert ("512:384", 0.0, 0.366666666667) in bench.route_windows(subject["interp"])
+    assert bench.route_windows(style["default"]) != bench.route_windows(style["interp"])

@@ -781,7 +781,13 @@ def summarize(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
         "schedule": args.schedule,
         "code_revision": (code["revision"] or "?") + (f"+{code['uncommitted']}" if code["uncommitted"] else ""),
         "command": "python benchmarks/bench_quality.py " + " ".join(argv),
-        "bootstrap": {"reps": REPS, "seed": BOOT_SEED, "level": 0.95, "resampled": "seeds and validation crops (samples), independently"},
+        "bootstrap": {
+            "reps": REPS,
+            "seed": BOOT_SEED,
+            "level": 0.95,
+            "resampled": "seeds and validation crops (samples), independently",
+            "interval": "estimate ± t(n − 1) · SE, SE the replicates' SD × √(n / (n − 1)), n the fewer of seeds and crops (PROTOCOL §5)",
+        },
         "concepts": concepts,
     }
 
@@ -839,7 +845,7 @@ def report(summary: dict[str, Any]) -> str:
     lines = [
         f"# Quality study (PROTOCOL.md at {str(summary['protocol_revision'])[:12]}; schedule over {summary['schedule']})",
         "",
-        f"Code {summary['code_revision'][:12]}; `{summary['command']}`. Intervals: 95 % percentile, two-way bootstrap "
+        f"Code {summary['code_revision'][:12]}; `{summary['command']}`. Intervals: 95 %, the estimate ± t(n − 1) · SE, SE from a two-way bootstrap "
         f"({REPS} replicates, seed {BOOT_SEED}). Default margin (PROTOCOL §6): {summary['default_margin']} ({summary['default_margin_why']}); "
         f"default positions: {summary['default_positions']} ({summary['default_positions_why']}).",
         "",

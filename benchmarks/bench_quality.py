@@ -19,6 +19,7 @@ Subcommands (the lead runs them in this order):
     python benchmarks/bench_quality.py study --concepts hatch,subject,style --jobs 2      # resumable
     python benchmarks/bench_quality.py study --concepts style --schedule steps --jobs 2   # the sensitivity analysis
     python benchmarks/bench_quality.py report                                            # aggregates what is stored
+    python benchmarks/bench_quality.py bands --concepts hatch --seeds 0                  # exploratory: the sample metric by octave
 
 Every run records its code revision and the protocol's; a code revision that does not descend from
 the protocol's is refused, and so is a stored run whose study files changed since (``STUDY_PATHS``).
@@ -383,18 +384,36 @@ class Lab:
         return self.base_items.clone() if all(not d.any() for d in deltas.values()) else self.losses(deltas)
 
 
-def run_one(lab: Lab, arm: str, table: dict[str, Any] | None, seed: int, settings: dict[str, Any], samples: int) -> dict[str, Any]:
-    """One twin fine-tune to one unit of native FLOPs (or S steps under the steps schedule), validated on
-    the FLOP grid, with its samples' spectrum distances at the end."""
-    import torch
-
+def train_twin(lab: Lab, table: dict[str, Any] | None, seed: int, settings: dict[str, Any], validate):
+    """One twin fine-tune to one unit of native FLOPs (or S steps under the steps schedule); returns it and its plugin."""
     from downscale_plugin.config import load_config
     from downscale_plugin.hosts.lab.adapter import LabPlugin
     from downscale_plugin.hosts.lab.twin import cosine_decay, run_to_budget
-    from downscale_plugin.lab.generate import sample_latents, spectrum_distances
 
     plugin = None if table is None else LabPlugin.for_lab(load_config(plugin_toml=table), lab.model_cfg, lab.data, 1)
     steps, by_steps = settings["steps"], settings["schedule"] == "steps"
+    run = run_to_budget(
+        lab.model, lab.data, plugin, seed=seed, native_steps=steps, budget=1.0, points=settings["points"], lr=settings["lr"],
+        rank=settings["rank"], validate=validate, flop_model=lab.flop_model, schedule=cosine_decay,
+        step_budget=steps if by_steps else None,
+    )  # fmt: skip
+    return run, plugin
+
+
+def sample_pixels(lab: Lab, deltas: dict | None, samples: int):
+    """The protocol's samples (§5) of an adapter (None: the base), decoded."""
+    from downscale_plugin.lab.generate import sample_latents
+
+    latents = sample_latents(lab.model, deltas, lab.class_id, list(SAMPLE_SEEDS[:samples]), NATIVE_LATENT, SAMPLE_STEPS)
+    return lab.data.codec.decode(latents)
+
+
+def run_one(lab: Lab, arm: str, table: dict[str, Any] | None, seed: int, settings: dict[str, Any], samples: int) -> dict[str, Any]:
+    """One twin fine-tune, validated on the FLOP grid, with its samples' spectrum distances at the end."""
+    import torch
+
+    from downscale_plugin.lab.generate import spectrum_distances
+
     val_cpu = [0.0]
 
     def validate(deltas: dict):
@@ -404,14 +423,9 @@ def run_one(lab: Lab, arm: str, table: dict[str, Any] | None, seed: int, setting
         return out
 
     cpu_start = time.process_time()
-    run = run_to_budget(
-        lab.model, lab.data, plugin, seed=seed, native_steps=steps, budget=1.0, points=settings["points"], lr=settings["lr"],
-        rank=settings["rank"], validate=validate, flop_model=lab.flop_model, schedule=cosine_decay,
-        step_budget=steps if by_steps else None,
-    )  # fmt: skip
+    run, plugin = train_twin(lab, table, seed, settings, validate)
     t0 = time.process_time()
-    latents = sample_latents(lab.model, run.deltas, lab.class_id, list(SAMPLE_SEEDS[:samples]), NATIVE_LATENT, SAMPLE_STEPS)
-    distances = spectrum_distances(lab.data.codec.decode(latents), lab.reference)
+    distances = spectrum_distances(sample_pixels(lab, run.deltas, samples), lab.reference)
     sample_cpu = time.process_time() - t0
     shape = list(lab.base_items.shape)  # [crops, strata, draws]
     weights = training_law_weights(list(lab.sigmas))
@@ -430,6 +444,69 @@ def run_one(lab: Lab, arm: str, table: dict[str, Any] | None, seed: int, setting
         "samples": {"noise_seeds": list(SAMPLE_SEEDS[:samples]), "steps": SAMPLE_STEPS, "spectrum_distance": distances},
         "cpu_s": {"total": time.process_time() - cpu_start, "validation": val_cpu[0], "samples": sample_cpu},
     }  # fmt: skip
+
+
+# ---- exploratory: what moves the sample metric ----
+
+
+def octave_bands(rings: int) -> list[tuple[int, int]]:
+    """Rings 1 … ``rings`` in octaves [2^k, 2^(k+1) − 1], the last one closed at ``rings``."""
+    bands, lo = [], 1
+    while lo <= rings:
+        hi = min(2 * lo - 1, rings)
+        bands.append((lo, rings if hi == rings - 1 else hi))
+        lo = bands[-1][1] + 1
+    return bands
+
+
+def band_reading(spectra, reference) -> list[dict[str, Any]]:
+    """Per octave of rings, mean over samples: the log10 power offset (sample − reference; below 0: too little power
+    there) and the band's part of the squared distance (the parts sum to the §5 metric squared)."""
+    offset = spectra.double() - reference.double()
+    size = 2 * offset.shape[-1]
+    return [{"rings": [lo, hi], "period_px": [size / hi, size / lo], "offset": float(offset[:, lo - 1 : hi].mean()),
+             "squared": float((offset[:, lo - 1 : hi] ** 2).sum(-1).mean())} for lo, hi in octave_bands(offset.shape[-1])]  # fmt: skip
+
+
+def diagnose_bands(args: argparse.Namespace) -> list[Path]:
+    """Retrain an arm's twin (the protocol's settings, validation skipped: it draws from private generators, so the
+    training is the stored run's), sample it as §5 does and split the metric by octave band, beside the base's samples.
+    Exploratory, outside the protocol: no decision reads it. A stored run's distances are checked against the retrained."""
+    import torch
+
+    from downscale_plugin.lab.generate import radial_log_spectrum
+
+    torch.set_num_threads(1)
+    out, written = Path(args.out), []
+    for concept in args.concept_list:
+        tables = concept_arms(concept, Path(args.windows))
+        settings = settings_of(args, concept, concept_steps(args, concept), concept_sigmas(tables), "flops")
+        lab = Lab(concept, settings["sigmas"], args)
+        readings = {"base": {"bands": band_reading(radial_log_spectrum(sample_pixels(lab, None, args.samples)), lab.reference)}}
+        for seed in args.seed_list or [0]:
+            for arm in args.arm_list or ["native", CONTROL]:
+                run, _ = train_twin(lab, tables[arm], seed, settings, lambda _deltas, items=lab.base_items: items.clone())
+                spectra = radial_log_spectrum(sample_pixels(lab, run.deltas, args.samples))
+                distances = (spectra - lab.reference).norm(dim=-1)
+                stored = run_path(out, concept, arm, seed)
+                entry: dict[str, Any] = {"seed": seed, "steps": len(run.tokens_run), "distance": float(distances.mean()),
+                                         "bands": band_reading(spectra, lab.reference)}  # fmt: skip
+                if stored.is_file():
+                    kept = json.loads(stored.read_text())["samples"]["spectrum_distance"]
+                    entry["stored_distance_matches"] = bool(torch.allclose(distances, torch.tensor(kept, dtype=distances.dtype), atol=1e-6))
+                readings[f"{arm}_s{seed}"] = entry
+        path = out / "diagnostics" / f"sample_bands_{concept}.json"
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(json.dumps({"concept": concept, "code": code_state(), "command": "python benchmarks/bench_quality.py bands "
+                                    + " ".join(sys.argv[1:]), "note": "exploratory, outside PROTOCOL.md: which spectral octave "
+                                    "moves the §5 sample metric; no decision reads it", "readings": readings}, indent=1) + "\n")  # fmt: skip
+        written.append(path)
+        for name, r in readings.items():
+            cells = " | ".join(
+                f"{b['period_px'][0]:g}–{b['period_px'][1]:g} px {b['offset']:+.2f} ({b['squared']:.1f})" for b in r["bands"]
+            )
+            print(f"{concept} {name}: {cells}", flush=True)
+    return written
 
 
 # ---- jobs ----
@@ -895,7 +972,7 @@ def report(summary: dict[str, Any]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("command", choices=("windows", "pilot", "study", "report"))
+    parser.add_argument("command", choices=("windows", "pilot", "study", "report", "bands"))
     parser.add_argument("--concepts", default=",".join(CONCEPTS), help=f"comma-separated, of {', '.join(CONCEPTS)}")
     parser.add_argument("--concept", help="windows: the concept whose map is read")
     parser.add_argument("--map", help="windows: the concept map's map.json")
@@ -965,6 +1042,9 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     if args.worker:
         work(args)
+        return 0
+    if args.command == "bands":
+        print("wrote", ", ".join(map(str, diagnose_bands(args))))
         return 0
     if args.command == "pilot":
         for _ in PILOT_STEPS:  # 400 steps; 800 where 400 fails the criterion

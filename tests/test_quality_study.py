@@ -166,6 +166,12 @@ def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
     summary = bench.summarize(args, argv)
     assert summary["protocol_revision"] and summary["default_margin"] is None
     assert "all0.5" in summary["concepts"]["concept"]["arms"] and bench.refusals(args, bench.planned_runs(args)) == []
+    # the exploratory band reading retrains without validating: the same twins as the stored runs, sample for sample
+    (path,) = bench.diagnose_bands(bench.parse_args(["bands", *argv[1:]]))
+    readings = json.loads(path.read_text())["readings"]
+    assert set(readings) == {"base", "native_s0", "all0.5_s0"}
+    assert readings["native_s0"]["stored_distance_matches"] and readings["all0.5_s0"]["stored_distance_matches"]
+    assert readings["all0.5_s0"]["distance"] == pytest.approx(run["samples"]["spectrum_distance"][0])
 
 
 def test_a_launch_frees_a_stopped_workers_claims_and_keeps_a_live_ones(tmp_path) -> None:
@@ -288,3 +294,19 @@ def test_the_interp_windows_differ_only_where_the_routes_do() -> None:
     assert bench.route_windows(subject["default"]) != bench.route_windows(subject["interp"])  # 0.5 above 0.95 vs 0.925
     assert ("512:384", 0.0, 0.366666666667) in bench.route_windows(subject["interp"])
     assert bench.route_windows(style["default"]) != bench.route_windows(style["interp"])
+
+
+def test_the_band_reading_splits_the_sample_metric_by_octave() -> None:
+    """The octaves tile rings 1 … H/2 and their squared parts sum to the §5 metric squared, per sample averaged."""
+    from downscale_plugin.lab.generate import radial_log_spectrum
+
+    bench = _bench()
+    assert bench.octave_bands(128) == [(1, 1), (2, 3), (4, 7), (8, 15), (16, 31), (32, 63), (64, 128)]
+    assert bench.octave_bands(5) == [(1, 1), (2, 3), (4, 5)]
+    pixels = torch.rand(3, 3, 64, 64, generator=torch.Generator().manual_seed(0))
+    spectra, reference = radial_log_spectrum(pixels), radial_log_spectrum(pixels.roll(1, dims=0)).mean(dim=0) + 0.1
+    bands = bench.band_reading(spectra, reference)
+    assert sum(b["squared"] for b in bands) == pytest.approx(float(((spectra - reference) ** 2).sum(-1).mean()))
+    assert bands[-1]["period_px"] == [2.0, 4.0] and bands[0]["period_px"] == [64.0, 64.0]
+    lifted = bench.band_reading(spectra + 1.0, reference)  # one log10 unit more power everywhere
+    assert all(b["offset"] - a["offset"] == pytest.approx(1.0) for a, b in zip(bands, lifted, strict=True))

@@ -503,7 +503,7 @@ def diagnose_bands(args: argparse.Namespace) -> list[Path]:
         written.append(path)
         for name, r in readings.items():
             cells = " | ".join(
-                f"{b['period_px'][0]:g}–{b['period_px'][1]:g} px {b['offset']:+.2f} ({b['squared']:.1f})" for b in r["bands"]
+                f"{b['period_px'][0]:.3g}–{b['period_px'][1]:.3g} px {b['offset']:+.2f} ({b['squared']:.1f})" for b in r["bands"]
             )
             print(f"{concept} {name}: {cells}", flush=True)
     return written

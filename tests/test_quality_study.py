@@ -125,7 +125,8 @@ def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
     assert default["steps_routed"] == 1.0 and default["flops_saved_per_step"] == pytest.approx(0.5)
     assert 0.6 < default["time_to_quality"]["flops"]["ratio"] < 0.9 and default["decision"] == "non-inferior"  # 0.8 off a 5-point grid
     control = block["arms"]["all0.5"]
-    assert control["decision"] == "fails" and control["sample_metric"]["lo"] > 0 and block["control_informative"]
+    assert control["decision"] == "fails" and control["sample_metric"]["lo"] > 0
+    assert block["control_shows_loss"] == {"loss": True, "sample_metric": True} and bench.control_reading(block) == ""
     assert block["delta"] == pytest.approx(0.01, rel=0.1)
     summary = {"protocol_revision": "p", "default_margin": None, "default_margin_why": "x", "default_positions": None,
                "default_positions_why": "x", "schedule": "flops", "code_revision": "c", "command": "c", "concepts": {"hatch": block}}  # fmt: skip
@@ -143,6 +144,15 @@ def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
 
 
 @pytest.mark.long
+def test_the_report_names_the_reading_on_which_the_control_shows_no_loss() -> None:
+    bench = _bench()
+    posters = {"control_shows_loss": {"loss": True, "sample_metric": False}}
+    assert bench.control_reading(posters) == "; **the control shows no loss on the sample metric: uninformative on it**"
+    neither = {"control_shows_loss": {"loss": False, "sample_metric": False}}
+    assert "L̄ and its strata or the sample metric: uninformative on them" in bench.control_reading(neither)
+    assert bench.control_reading({}) == ""  # no control arm run: nothing to read
+
+
 def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
     """Windows from the stored concept map, two arms of one seed at tiny settings on the shipped base
     (``concept``: the hatch's data until the concepts are renamed), summary and report."""

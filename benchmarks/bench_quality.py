@@ -1,5 +1,5 @@
 """The same adapter, sooner? Time to quality of routed LoRA fine-tunes on three concepts, as
-``docs/fidelity/quality/PROTOCOL.md`` (version 3) fixes it; the protocol is the specification.
+``docs/fidelity/quality/PROTOCOL.md`` (version 4) fixes it; the protocol is the specification.
 
 Per concept (``lab.concept.task_data``) and seed, every arm is a twin of the native run
 (``hosts/lab/twin.py``) on the shipped multi-size base (``lab.base.load_base("multires")``), trained to
@@ -47,6 +47,7 @@ CONCEPTS = {"hatch": "fine_detail", "subject": "subject", "style": "style"}  # P
 FIXED_SIGMAS = (0.05, 0.2, 0.4, 0.6, 0.75, 0.85, 0.925, 0.975)  # PROTOCOL §3
 DEFAULT_MARGIN = 0.2
 OTHER_MARGINS = ((0.3, 0.4, 0.5), (0.1, 0.05))  # PROTOCOL §4: the first that routes another share, wider first
+NARROW_MARGIN = 0.1  # PROTOCOL §4, §6 (version 4): the ε = 0.1 comparison, run when no wider margin is non-inferior everywhere
 SEEDS = tuple(range(16))
 CONTROL_SEEDS = tuple(range(8))
 PILOT_SEEDS = (100, 101)
@@ -98,15 +99,19 @@ def protocol_revision() -> str | None:
     return out.strip() or None if out else None
 
 
-def descends_from_protocol(revision: str | None) -> bool:
-    """Whether ``revision`` has the protocol's commit among its ancestors (or is it)."""
-    protocol = protocol_revision()
-    if not revision or not protocol:
+def is_ancestor(older: str | None, newer: str | None) -> bool:
+    """Whether commit ``older`` is among ``newer``'s ancestors (or is it); False for a revision this checkout lacks."""
+    if not older or not newer:
         return False
     try:
-        return subprocess.run(["git", "merge-base", "--is-ancestor", protocol, revision], cwd=ROOT, capture_output=True).returncode == 0
+        return subprocess.run(["git", "merge-base", "--is-ancestor", older, newer], cwd=ROOT, capture_output=True).returncode == 0
     except OSError:
         return False
+
+
+def descends_from_protocol(revision: str | None) -> bool:
+    """Whether ``revision`` has the protocol's commit among its ancestors (or is it)."""
+    return is_ancestor(protocol_revision(), revision)
 
 
 def code_state() -> dict[str, str | None]:
@@ -741,6 +746,7 @@ def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]],
         routed = [i for r in arm_runs for i in r["routed"]]
         entry: dict[str, Any] = {
             "seeds": seeds,
+            "protocol_revision": arm_protocol(arm_runs),
             "code_revision": sorted(
                 {r["code"]["revision"] + (f"+{r['code']['uncommitted']}" if r["code"]["uncommitted"] else "") for r in arm_runs}
             ),
@@ -762,6 +768,7 @@ def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]],
                 decision=decide(stats["equal_compute"], by, routed_strata, delta),
                 sooner={k: stats["time_to_quality"][k]["hi"] < 1.0 for k in ("flops", "cpu")},
             )  # fmt: skip
+            entry["short_of_non_inferior"] = short_of_non_inferior(entry, routed_strata, delta)
         block["arms"][arm] = entry
     if INTERP in tables:
         block["interp_windows_differ"] = route_windows(tables[INTERP]) != route_windows(tables["default"])
@@ -769,6 +776,13 @@ def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]],
     if control and "decision" in control:
         block["control_shows_loss"] = {"loss": control["decision"] == "fails", "sample_metric": control["sample_metric"]["lo"] > 0}
     return block
+
+
+def short_of_non_inferior(entry: dict[str, Any], routed: list[bool], delta: float) -> list[dict[str, Any]]:
+    """What keeps an arm from PROTOCOL §5's *non-inferior*: L̄ (``sigma`` None) and each routed stratum whose
+    interval reaches δ, as the README's first screen names them when no margin is non-inferior everywhere (§6)."""
+    lbar = [{"sigma": None, **entry["equal_compute"]}] if entry["equal_compute"]["hi"] >= delta else []
+    return lbar + [s for s, r in zip(entry["equal_compute_by_sigma"], routed, strict=True) if r and s["hi"] >= delta]
 
 
 def control_reading(block: dict[str, Any]) -> str:
@@ -804,23 +818,44 @@ def non_inferior(entry: dict[str, Any]) -> bool:
 
 
 def default_margin(concepts: dict[str, Any], expected: list[str]) -> dict[str, Any]:
-    """PROTOCOL §6: the widest ε among the arms run that is non-inferior on every concept; None until every
-    concept has every arm on every seed (or when none is, with what the protocol says follows)."""
+    """PROTOCOL §6 (version 4): the widest ε among the arms run that is non-inferior on every concept; failing that,
+    once the ε = 0.1 comparison has run, the narrowest margin run that fails on no concept (None when each fails
+    somewhere); None until every concept has every arm on every seed. ``why`` names each margin's shortfall."""
     if not arms_complete(concepts, expected):
         return {"value": None, "why": "not every concept has complete arms"}
-    margins: dict[float, list[str]] = {}
-    for c in expected:
-        for name, e in concepts[c]["arms"].items():
-            eps = DEFAULT_MARGIN if name == "default" else float(name[3:]) if name.startswith("eps") else None
-            if eps is not None and non_inferior(e):
-                margins.setdefault(eps, []).append(c)
-    ok = [eps for eps, cs in margins.items() if set(cs) == set(expected)]
+    run = {eps: [concepts[c]["arms"][name] for c in expected if name in concepts[c]["arms"]] for name, eps in margin_arms(concepts).items()}
+    everywhere = {eps for eps, entries in run.items() if len(entries) == len(expected)}
+    ok = [eps for eps in everywhere if all(non_inferior(e) for e in run[eps])]
     if ok:
         return {"value": max(ok), "why": "the widest margin non-inferior on every concept"}
-    return {
-        "value": None,
-        "why": "no margin is non-inferior on every concept: a new version of the protocol adds ε = 0.1 arms (PROTOCOL §6)",
-    }
+    short = "; ".join(f"{eps:g} on {shortfall(concepts, expected, eps)}" for eps in sorted(run))
+    if NARROW_MARGIN not in run:
+        return {
+            "value": None,
+            "why": f"no margin run is non-inferior on every concept ({short}): the ε = 0.1 comparison runs next (PROTOCOL §4, §6)",
+        }
+    safe = [eps for eps in everywhere if not any(e.get("decision") == "fails" for e in run[eps])]
+    if safe:
+        return {"value": min(safe), "why": f"no margin run is non-inferior on every concept ({short}): the narrowest that fails on none"}
+    return {"value": None, "why": f"every margin run fails on some concept ({short}): no default margin (PROTOCOL §6)"}
+
+
+def margin_arms(concepts: dict[str, Any]) -> dict[str, float]:
+    """The arms that read a concept map at one margin, by name: ``default`` at 0.2 and ``eps<X>`` at X."""
+    names = {n for c in concepts.values() for n in c["arms"]}
+    return {n: DEFAULT_MARGIN if n == "default" else float(n[3:]) for n in sorted(names) if n == "default" or n.startswith("eps")}
+
+
+def shortfall(concepts: dict[str, Any], expected: list[str], eps: float) -> str:
+    """Where the arms at margin ``eps`` fall short of non-inferior: each concept with the strata that reach δ."""
+    name = next(n for n, e in margin_arms(concepts).items() if e == eps)
+    parts = []
+    for c in expected:
+        entry = concepts[c]["arms"].get(name, {})
+        if entry and not non_inferior(entry):
+            where = ", ".join("L̄" if s["sigma"] is None else f"σ {s['sigma']:g}" for s in entry.get("short_of_non_inferior", []))
+            parts.append(f"{c} ({entry['decision']}: {where})")
+    return ", ".join(parts) or "none"
 
 
 def default_positions(concepts: dict[str, Any], expected: list[str]) -> dict[str, Any]:
@@ -842,29 +877,41 @@ def default_positions(concepts: dict[str, Any], expected: list[str]) -> dict[str
     return {"value": "interpolate", "why": "the interp arm is non-inferior on every concept and sooner wherever its windows differ"}
 
 
-def runs_protocol(runs: list[dict[str, Any]]) -> str | None:
-    """The protocol revision the runs ran under (each records it): the summary's, whatever this checkout's
-    PROTOCOL.md has become since (a later version changes what later runs do, not what these did)."""
+def arm_protocol(runs: list[dict[str, Any]]) -> str:
+    """The protocol revision one arm's runs ran under (each records it); an arm run under two is refused, its seeds
+    would not be one arm's."""
     revisions = {r["protocol_revision"] for r in runs}
-    if len(revisions) > 1:
-        raise ValueError(f"the runs ran under several protocol revisions ({', '.join(sorted(map(str, revisions)))}): report each apart")
-    return revisions.pop() if revisions else protocol_revision()
+    if len(revisions) != 1:
+        raise ValueError(
+            f"one arm's runs ran under several protocol revisions ({', '.join(sorted(map(str, revisions)))}): report each apart"
+        )
+    return revisions.pop()
+
+
+def runs_protocol(revisions: set[str]) -> str | None:
+    """The summary's protocol revision: the newest its arms ran under, which must descend from every other (a later
+    version adds to what earlier runs did, as version 4's ε = 0.1 comparison does); this checkout's when nothing ran."""
+    if not revisions:
+        return protocol_revision()
+    newest = [r for r in revisions if all(is_ancestor(other, r) for other in revisions)]
+    if not newest:
+        raise ValueError(f"the runs ran under protocol revisions no one of which descends from the others ({', '.join(sorted(revisions))})")
+    return newest[0]
 
 
 def summarize(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     out = Path(args.out)
-    concepts, loaded = {}, []
+    concepts = {}
     for concept in args.concept_list:
         folder = out / "runs" / (concept if args.schedule == "flops" else f"{concept}_steps")
-        runs = load_runs(folder)
-        loaded += runs.values()
-        concepts[concept] = summarize_concept(concept, runs, concept_arms(concept, Path(args.windows)))
+        concepts[concept] = summarize_concept(concept, load_runs(folder), concept_arms(concept, Path(args.windows)))
+    revisions = {e["protocol_revision"] for c in concepts.values() for e in c["arms"].values() if "protocol_revision" in e}
     primary = args.schedule == "flops"
     dm = default_margin(concepts, list(CONCEPTS)) if primary else {"value": None, "why": "sensitivity analysis"}
     dp = default_positions(concepts, list(CONCEPTS)) if primary else {"value": None, "why": "sensitivity analysis"}
     code = code_state()
     return {
-        "protocol_revision": runs_protocol(loaded),
+        "protocol_revision": runs_protocol(revisions),
         "default_margin": dm["value"],
         "default_margin_why": dm["why"],
         "default_positions": dp["value"],

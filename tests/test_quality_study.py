@@ -1,4 +1,4 @@
-"""benchmarks/bench_quality.py as docs/fidelity/quality/PROTOCOL.md (version 3) fixes it: the other
+"""benchmarks/bench_quality.py as docs/fidelity/quality/PROTOCOL.md (version 4) fixes it: the other
 margin, the strata and their training-law weights, the sensitivity's concept, the protocol-descent refusal,
 the summary's keys and protocol revision, and one tiny run end to end."""
 
@@ -97,7 +97,7 @@ def _run(arm: str, seed: int, gain: float, lag: float, routed: bool) -> dict:
     return {"arm": arm, "seed": seed, "settings": {"sigmas": [0.3, 0.9], "steps": 8, "val_per_bucket": 2, "val_seed": 0, "points": 4},
             "weights": [0.4, 0.6], "items_shape": [10, 2, 1], "items": items, "curve": curve, "native_flops": 8.0,
             "tokens_run": [4] * (16 if routed else 8), "routed": [0] * 16 if routed else [],
-            "code": {"revision": "abc", "uncommitted": ""}, "samples": {"spectrum_distance": list(rng.normal(1, 0.01, 8) + (0.2 * routed))}}  # fmt: skip
+            "code": {"revision": "abc", "uncommitted": ""}, "protocol_revision": "p", "samples": {"spectrum_distance": list(rng.normal(1, 0.01, 8) + (0.2 * routed))}}  # fmt: skip
 
 
 def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
@@ -116,7 +116,7 @@ def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
     assert block["validation"]["sigmas"] == [0.3, 0.9] and block["validation"]["items"]["crops"] == 10
     assert block["arms"]["eps0.05"]["windowless"]
     default = block["arms"]["default"]
-    for key in ("seeds", "code_revision", "steps_routed", "flops_saved_per_step", "time_to_quality", "equal_compute",
+    for key in ("seeds", "protocol_revision", "code_revision", "steps_routed", "flops_saved_per_step", "time_to_quality", "equal_compute",
                 "equal_compute_by_sigma", "sample_metric", "decision", "sooner"):  # fmt: skip
         assert key in default, key
     assert set(default["time_to_quality"]) == {"flops", "cpu"}
@@ -250,10 +250,15 @@ def test_the_summary_records_the_protocol_its_runs_ran_under() -> None:
     """A later protocol version (a new sensitivity concept, say) changes what later runs do, not what stored runs did:
     the summary carries their revision, and runs under two revisions are refused rather than summarised as one."""
     bench = _bench()
-    assert bench.runs_protocol([{"protocol_revision": "v2"}, {"protocol_revision": "v2"}]) == "v2"
-    assert bench.runs_protocol([]) == bench.protocol_revision()
+    assert bench.arm_protocol([{"protocol_revision": "v2"}, {"protocol_revision": "v2"}]) == "v2"
     with pytest.raises(ValueError, match="several protocol revisions"):
-        bench.runs_protocol([{"protocol_revision": "v2"}, {"protocol_revision": "v3"}])
+        bench.arm_protocol([{"protocol_revision": "v2"}, {"protocol_revision": "v3"}])
+    # Arms under two versions (version 4's ε = 0.1 comparison beside version 2's arms): the newer names the summary.
+    versions = bench._git("log", "--format=%H", "--", bench.PROTOCOL).split()  # newest first
+    assert bench.runs_protocol({versions[1], versions[0]}) == versions[0]
+    assert bench.runs_protocol(set()) == bench.protocol_revision()
+    with pytest.raises(ValueError, match="no one of which descends"):
+        bench.runs_protocol({versions[0], "f" * 40})  # a revision this checkout lacks descends from nothing here
 
 
 def _decided(decision: str, ratio: float = 0.9, seeds: int = 16) -> dict:
@@ -292,8 +297,22 @@ def test_default_margin_and_positions_follow_protocol_section_6() -> None:
     assert bench.default_margin(concepts, expected)["value"] is None
     assert bench.default_positions(concepts, expected)["why"] == "not every concept has complete arms"
     concepts["hatch"]["arms"]["eps0.3"] = _decided("fails")
-    concepts["subject"]["arms"]["default"] = _decided("inconclusive")
-    assert bench.default_margin(concepts, expected)["value"] is None  # 0.2 inconclusive on subject, 0.3 fails on hatch
+    concepts["subject"]["arms"]["default"] = {**_decided("inconclusive"), "short_of_non_inferior": [{"sigma": 0.05}]}
+    assert bench.default_margin(concepts, expected) == {  # 0.2 inconclusive on subject, 0.3 fails on hatch
+        "value": None, "why": "no margin run is non-inferior on every concept (0.2 on subject (inconclusive: σ 0.05); "
+                              "0.3 on hatch (fails: )): the ε = 0.1 comparison runs next (PROTOCOL §4, §6)"}  # fmt: skip
+    # Version 4: the ε = 0.1 comparison decides; failing it, the narrowest margin run that fails on no concept.
+    for c, entry in (("hatch", windowless), ("subject", ok), ("style", ok)):
+        concepts[c]["arms"]["eps0.1"] = entry
+    assert bench.default_margin(concepts, expected) == {"value": 0.1, "why": "the widest margin non-inferior on every concept"}
+    concepts["style"]["arms"]["eps0.1"] = _decided("inconclusive")
+    assert bench.default_margin(concepts, expected)["value"] == 0.1  # 0.1 and 0.2 fail nowhere: the narrower
+    assert "the narrowest that fails on none" in bench.default_margin(concepts, expected)["why"]
+    concepts["style"]["arms"]["eps0.1"] = _decided("fails")
+    assert bench.default_margin(concepts, expected)["value"] == 0.2
+    concepts["subject"]["arms"]["default"] = _decided("fails")
+    assert bench.default_margin(concepts, expected)["why"].startswith("every margin run fails on some concept")
+    assert bench.default_margin(concepts, expected)["value"] is None
 
 
 def test_the_interp_windows_differ_only_where_the_routes_do() -> None:

@@ -48,6 +48,7 @@ FIXED_SIGMAS = (0.05, 0.2, 0.4, 0.6, 0.75, 0.85, 0.925, 0.975)  # PROTOCOL §3
 DEFAULT_MARGIN = 0.2
 OTHER_MARGINS = ((0.3, 0.4, 0.5), (0.1, 0.05))  # PROTOCOL §4: the first that routes another share, wider first
 NARROW_MARGIN = 0.1  # PROTOCOL §4, §6 (version 4): the ε = 0.1 comparison, run when no wider margin is non-inferior everywhere
+NARROW = f"eps{NARROW_MARGIN:g}"  # its arm, and its runs' folder suffix
 SEEDS = tuple(range(16))
 CONTROL_SEEDS = tuple(range(8))
 PILOT_SEEDS = (100, 101)
@@ -215,8 +216,8 @@ def interp_path(concept: str, out: Path = OUT) -> Path:
 
 def derive_windows(concept: str, map_json: Path, out: Path = OUT) -> dict[str, Any]:
     """Re-read a concept map at ε = 0.2 and the candidate other margins (the map command's own read and
-    windows writer), apply the other-margin rule, and store the windows of 0.2 and the chosen margin and
-    the choice (``windows/<concept>.json``)."""
+    windows writer), apply the other-margin rule, and store the windows of 0.2, the chosen margin and 0.1
+    (the ε = 0.1 comparison's, version 4) and the choice (``windows/<concept>.json``)."""
     import toml
 
     from downscale_plugin.mapping.estimator import MapResult
@@ -231,7 +232,7 @@ def derive_windows(concept: str, map_json: Path, out: Path = OUT) -> dict[str, A
         shares[eps] = routed_share(toml.loads(texts[eps]))
     other = other_margin(shares)
     (out / "windows").mkdir(parents=True, exist_ok=True)
-    for eps in (DEFAULT_MARGIN,) if other is None else (DEFAULT_MARGIN, other):
+    for eps in dict.fromkeys((DEFAULT_MARGIN, NARROW_MARGIN) if other is None else (DEFAULT_MARGIN, other, NARROW_MARGIN)):
         windows_path(concept, eps, out).write_text(texts[eps])
     choice = {"concept": concept, "map": str(map_json), "default": DEFAULT_MARGIN, "other": other,
               "routed_share": {f"{e:g}": s for e, s in shares.items()},
@@ -279,6 +280,28 @@ def concept_arms(concept: str, out: Path = OUT) -> dict[str, dict[str, Any] | No
     arms["seed_recipe"] = {"routes": list(SEED_RECIPE)}
     arms[CONTROL] = {"routes": list(ALL_HALF)}
     return arms
+
+
+def narrow_arms(concept: str, out: Path = OUT) -> dict[str, dict[str, Any] | None]:
+    """PROTOCOL §4 (version 4), the ε = 0.1 comparison's arms: ``native`` and the concept map's windows at 0.1."""
+    from downscale_plugin.config import read_plugin_toml
+
+    path = windows_path(concept, NARROW_MARGIN, out)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"{path}: no ε = 0.1 windows for {concept!r}; run: python benchmarks/bench_quality.py windows --concept {concept} --map MAP_JSON"
+        )
+    return {"native": None, NARROW: read_plugin_toml(str(path))}
+
+
+def part_arms(concept: str, part: str, out: Path = OUT) -> tuple[dict[str, dict[str, Any] | None], list[float]]:
+    """A study part's arms for one concept and its strata: §3's rule over the primary arms, and for the ε = 0.1
+    comparison over them and its own (its windows may route a band none of the primary's strata lies in)."""
+    primary = concept_arms(concept, out)
+    if part != NARROW:
+        return primary, concept_sigmas(primary)
+    narrow = narrow_arms(concept, out)
+    return narrow, concept_sigmas({**primary, NARROW: narrow[NARROW]})
 
 
 def windowless(table: dict[str, Any] | None) -> bool:
@@ -330,11 +353,20 @@ def settings_of(args: argparse.Namespace, concept: str, steps: int, sigmas: list
             "val_seed": 0, "base": "quick" if args.quick else "multires", "samples": args.samples}  # fmt: skip
 
 
-def run_path(out: Path, concept: str, arm: str, seed: int, schedule: str = "flops", steps: int | None = None) -> Path:
+def study_part(args: argparse.Namespace) -> str:
+    """Which of the protocol's studies a command addresses: the primary, the schedule sensitivity (§1, ``steps``) or
+    the ε = 0.1 comparison (§4, version 4)."""
+    return "steps" if args.schedule == "steps" else NARROW if args.narrow else "primary"
+
+
+def runs_folder(out: Path, concept: str, part: str = "primary") -> Path:
+    return out / "runs" / (concept if part == "primary" else f"{concept}_{part}")
+
+
+def run_path(out: Path, concept: str, arm: str, seed: int, part: str = "primary", steps: int | None = None) -> Path:
     if steps is not None:  # a pilot run
         return out / "pilot" / concept / f"native_s{seed}_S{steps}.json"
-    folder = out / "runs" / concept if schedule == "flops" else out / "runs" / f"{concept}_steps"
-    return folder / f"{arm}_s{seed}.json"
+    return runs_folder(out, concept, part) / f"{arm}_s{seed}.json"
 
 
 def study_order(concepts: list[str], arms_of: dict[str, list[str]], seeds: tuple[int, ...] = SEEDS) -> list[tuple[str, str, int]]:
@@ -526,21 +558,23 @@ def planned_runs(args: argparse.Namespace) -> list[dict[str, Any]]:
             for concept in args.concept_list:
                 sigmas = concept_sigmas(concept_arms(concept, Path(args.windows)))
                 for steps in pilot_steps_needed(args, concept):
-                    jobs.append({"concept": concept, "arm": "native", "seed": seed, "table": None, "pilot_steps": steps,
+                    jobs.append({"concept": concept, "arm": "native", "seed": seed, "table": None, "pilot_steps": steps, "part": "primary",
                                  "settings": settings_of(args, concept, steps, sigmas, "flops")})  # fmt: skip
         return jobs
-    arms_of, tables, settings = {}, {}, {}
+    arms_of, tables, settings, part = {}, {}, {}, study_part(args)
     for concept in args.concept_list:
-        tables[concept] = concept_arms(concept, Path(args.windows))
+        tables[concept], sigmas = part_arms(concept, part, Path(args.windows))
         names = [a for a in tables[concept] if not windowless(tables[concept][a])]
-        if args.schedule == "steps":
+        if part == "steps":
             names = [a for a in names if a in SENSITIVITY["arms"]]
+        if part == NARROW and NARROW not in names:
+            names = []  # its windows are empty: the arm is the native run, and the comparison has nothing to compare
         arms_of[concept] = [a for a in names if a in args.arm_list] if args.arm_list else names
-        settings[concept] = settings_of(args, concept, concept_steps(args, concept), concept_sigmas(tables[concept]), args.schedule)
-    seeds = tuple(s for s in (SENSITIVITY["seeds"] if args.schedule == "steps" else SEEDS) if not args.seed_list or s in args.seed_list)
+        settings[concept] = settings_of(args, concept, concept_steps(args, concept), sigmas, args.schedule)
+    seeds = tuple(s for s in (SENSITIVITY["seeds"] if part == "steps" else SEEDS) if not args.seed_list or s in args.seed_list)
     for concept, arm, seed in study_order(args.concept_list, arms_of, seeds):
         jobs.append({"concept": concept, "arm": arm, "seed": seed, "table": tables[concept][arm], "pilot_steps": None,
-                     "settings": settings[concept]})  # fmt: skip
+                     "part": part, "settings": settings[concept]})  # fmt: skip
     return jobs
 
 
@@ -568,7 +602,7 @@ def refusals(args: argparse.Namespace, jobs: list[dict[str, Any]]) -> list[str]:
     """Stored runs among ``jobs`` that cannot be reused here, each with why."""
     now, out, problems = code_state(), Path(args.out), []
     for job in jobs:
-        path = run_path(out, job["concept"], job["arm"], job["seed"], job["settings"]["schedule"], job["pilot_steps"])
+        path = run_path(out, job["concept"], job["arm"], job["seed"], job["part"], job["pilot_steps"])
         if not path.is_file():
             continue
         run = json.loads(path.read_text())
@@ -588,7 +622,7 @@ def work(args: argparse.Namespace) -> None:
     out, labs = Path(args.out), {}
     for job in planned_runs(args):
         s = job["settings"]
-        path = run_path(out, job["concept"], job["arm"], job["seed"], s["schedule"], job["pilot_steps"])
+        path = run_path(out, job["concept"], job["arm"], job["seed"], job["part"], job["pilot_steps"])
         if path.exists():
             continue
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -704,6 +738,10 @@ def load_runs(folder: Path) -> dict[tuple[str, int], dict[str, Any]]:
     return {(b["arm"], b["seed"]): b for b in (json.loads(p.read_text()) for p in sorted(folder.glob("*.json")))}
 
 
+def windowless_entry() -> dict[str, Any]:
+    return {"windowless": True, "note": "the map certified no window: the plugin is off and the arm is the native run"}
+
+
 def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]], tables: dict[str, Any]) -> dict[str, Any]:
     """One concept's block of ``summary.json`` (PROTOCOL §5)."""
     import numpy as np
@@ -734,10 +772,7 @@ def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]],
     }  # fmt: skip
     for arm, table in tables.items():
         if windowless(table):
-            block["arms"][arm] = {
-                "windowless": True,
-                "note": "the map certified no window: the plugin is off and the arm is the native run",
-            }
+            block["arms"][arm] = windowless_entry()
             continue
         seeds = sorted(s for (a, s) in runs if a == arm and s in natives)
         if not seeds:
@@ -799,6 +834,53 @@ def control_reading(block: dict[str, Any]) -> str:
     return f"; **the control shows no loss on {' or '.join(missed)}: uninformative on {'it' if len(missed) == 1 else 'them'}**"
 
 
+def narrow_entry(concept: str, primary: dict[tuple[str, int], dict[str, Any]], runs: dict[tuple[str, int], dict[str, Any]],
+                 windows: Path) -> dict[str, Any] | None:  # fmt: skip
+    """PROTOCOL §4 (version 4): the ε = 0.1 arm as the concept's arm, from its own comparison with its own native twins
+    (its strata, δ and native gain beside it under ``comparison``); None before any of its runs. Its native twins must
+    equal the primary study's on every stratum both hold (``natives_match``), or the comparison is refused."""
+    tables, _ = part_arms(concept, NARROW, windows)
+    if windowless(tables[NARROW]):
+        return windowless_entry()
+    block = summarize_concept(concept, runs, tables)
+    entry = block["arms"].get(NARROW)
+    if entry is None or "decision" not in entry:
+        return None
+    entry["comparison"] = {key: block[key] for key in ("validation", "delta", "native_gain", "native_gain_fraction")}
+    entry["comparison"]["natives_match"] = natives_match(primary, runs)
+    return entry
+
+
+def join_narrow(concepts: dict[str, Any], narrow: dict[str, dict[str, Any] | None]) -> None:
+    """Add the ε = 0.1 arm to each concept once its comparison has run somewhere (§6 called for it); until then a
+    concept where it is windowless does not list it, as no arm of it was ever due."""
+    if any(e and not e.get("windowless") for e in narrow.values()):
+        for concept, entry in narrow.items():
+            if entry is not None:
+                concepts[concept]["arms"][NARROW] = entry
+
+
+def natives_match(primary: dict[tuple[str, int], dict[str, Any]], comparison: dict[tuple[str, int], dict[str, Any]]) -> dict[str, Any]:
+    """The largest difference between two studies' native twins of one seed on the strata both validate, over every
+    point, crop and draw (the comparison's twins are the primary's: same seeds, adapters and data order, and each
+    validation noise is drawn from its own (batch, stratum index, draw) generator); a difference above 1e-6 is refused."""
+    import numpy as np
+
+    seeds = sorted(s for (a, s) in comparison if a == "native" and ("native", s) in primary)
+    worst = 0.0
+    for seed in seeds:
+        ours, theirs = comparison["native", seed], primary["native", seed]
+        shared = [ours["settings"]["sigmas"].index(x) for x in theirs["settings"]["sigmas"]]
+        if shared != list(range(len(shared))):
+            raise ValueError(f"seed {seed}: the comparison's strata {ours['settings']['sigmas']} do not extend the primary's at its end")
+        a = np.array([np.reshape(i, ours["items_shape"])[:, : len(shared)] for i in ours["items"]])
+        b = np.array([np.reshape(i, theirs["items_shape"]) for i in theirs["items"]])
+        worst = max(worst, float(np.abs(a - b).max()))
+    if worst > 1e-6:
+        raise ValueError(f"the ε = 0.1 comparison's native twins differ from the primary study's by up to {worst:.3g}: not the same twins")
+    return {"seeds": seeds, "max_abs_diff": worst}
+
+
 def flops_saved_per_step(runs: list[dict[str, Any]]) -> float:
     """1 − an arm's training FLOPs per step ÷ its native twin's (``native_flops`` over S steps), mean over seeds."""
     ratios = [(r["curve"][-1]["flops"] / len(r["tokens_run"])) / (r["native_flops"] / r["settings"]["steps"]) for r in runs]
@@ -829,7 +911,7 @@ def default_margin(concepts: dict[str, Any], expected: list[str]) -> dict[str, A
     if ok:
         return {"value": max(ok), "why": "the widest margin non-inferior on every concept"}
     short = "; ".join(f"{eps:g} on {shortfall(concepts, expected, eps)}" for eps in sorted(run))
-    if NARROW_MARGIN not in run:
+    if NARROW_MARGIN not in everywhere:
         return {
             "value": None,
             "why": f"no margin run is non-inferior on every concept ({short}): the ε = 0.1 comparison runs next (PROTOCOL §4, §6)",
@@ -900,15 +982,18 @@ def runs_protocol(revisions: set[str]) -> str | None:
 
 
 def summarize(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
-    out = Path(args.out)
-    concepts = {}
+    out, windows, part = Path(args.out), Path(args.windows), study_part(args)
+    concepts, narrow = {}, {}
     for concept in args.concept_list:
-        folder = out / "runs" / (concept if args.schedule == "flops" else f"{concept}_steps")
-        concepts[concept] = summarize_concept(concept, load_runs(folder), concept_arms(concept, Path(args.windows)))
+        runs = load_runs(runs_folder(out, concept, part))
+        concepts[concept] = summarize_concept(concept, runs, part_arms(concept, part, windows)[0])
+        if part == "primary" and windows_path(concept, NARROW_MARGIN, windows).is_file():
+            narrow[concept] = narrow_entry(concept, runs, load_runs(runs_folder(out, concept, NARROW)), windows)
+    join_narrow(concepts, narrow)
     revisions = {e["protocol_revision"] for c in concepts.values() for e in c["arms"].values() if "protocol_revision" in e}
-    primary = args.schedule == "flops"
-    dm = default_margin(concepts, list(CONCEPTS)) if primary else {"value": None, "why": "sensitivity analysis"}
-    dp = default_positions(concepts, list(CONCEPTS)) if primary else {"value": None, "why": "sensitivity analysis"}
+    primary = part == "primary"
+    dm = default_margin(concepts, list(CONCEPTS)) if primary else {"value": None, "why": f"a secondary study ({part})"}
+    dp = default_positions(concepts, list(CONCEPTS)) if primary else {"value": None, "why": f"a secondary study ({part})"}
     code = code_state()
     return {
         "protocol_revision": runs_protocol(revisions),
@@ -1009,7 +1094,7 @@ def report(summary: dict[str, Any]) -> str:
     for name, c in summary["concepts"].items():
         if "validation" not in c:
             continue
-        arms = [a for a, e in c["arms"].items() if "decision" in e]
+        arms = [a for a, e in c["arms"].items() if "decision" in e and "comparison" not in e]
         lines += [
             "",
             f"## {name} ({c['task']['kind']}): S = {c['steps']}, native improvement {c['native_gain']:.4f} "
@@ -1023,8 +1108,20 @@ def report(summary: dict[str, Any]) -> str:
         ]
         for k, (s, w) in enumerate(zip(c["validation"]["sigmas"], c["validation"]["weights"], strict=True)):
             lines.append(f"| {s:g} | {w:.3f} | " + " | ".join(_iv(c["arms"][a]["equal_compute_by_sigma"][k]) for a in arms) + " |")
+        if "comparison" in c["arms"].get(NARROW, {}):
+            lines += comparison_lines(c["arms"][NARROW])
     lines += ["", "## The README's table", "", readme_table(summary).rstrip("\n")]
     return "\n".join(lines) + "\n"
+
+
+def comparison_lines(entry: dict[str, Any]) -> list[str]:
+    """The ε = 0.1 comparison's strata table (PROTOCOL §4, version 4): its own strata, weights, δ and native twins."""
+    cmp = entry["comparison"]
+    lines = ["", f"The ε = 0.1 comparison, against its own native twins (δ = {cmp['delta']:.4f}; they equal the primary study's on "
+                 f"its strata within {cmp['natives_match']['max_abs_diff']:.1g}):", "", f"| σ | weight | {NARROW} |", "|---|---|---|"]  # fmt: skip
+    for s, w, d in zip(cmp["validation"]["sigmas"], cmp["validation"]["weights"], entry["equal_compute_by_sigma"], strict=True):
+        lines.append(f"| {s:g} | {w:.3f} | {_iv(d)} |")
+    return lines
 
 
 # ---- command line ----
@@ -1047,6 +1144,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default="flops",
         choices=("flops", "steps"),
         help="cosine over the FLOPs spent (primary) or over S steps (the sensitivity analysis, on one concept: PROTOCOL §1)",
+    )
+    parser.add_argument(
+        "--narrow",
+        action="store_true",
+        help=f"the ε = {NARROW_MARGIN:g} comparison (PROTOCOL §4, §6, version 4): arms native and {NARROW} in runs/<concept>_{NARROW}/, "
+        "validated on the strata its windows add; run only when §6 calls for it (report merges it into summary.json)",
     )
     parser.add_argument("--arms", default="", help="study: only these arms (default: every arm of each concept)")
     parser.add_argument("--seeds", default="", help="study: only these seeds (default: the protocol's)")
@@ -1073,6 +1176,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
     if args.command == "windows" and (args.concept not in CONCEPTS or not args.map):
         problems.append(f"windows needs --concept (one of {', '.join(CONCEPTS)}) and --map MAP_JSON")
+    if args.narrow and args.schedule == "steps":
+        problems.append("--narrow is the ε = 0.1 comparison under the primary schedule: not with --schedule steps")
     if args.schedule == "steps" and args.command != "windows":
         try:
             concept = sensitivity_concept(Path(args.windows))
@@ -1118,7 +1223,8 @@ def main(argv: list[str] | None = None) -> int:
         if code:
             return code
     summary = summarize(args, argv)
-    name = "summary.json" if args.schedule == "flops" else "summary_steps.json"
+    part = study_part(args)
+    name = "summary.json" if part == "primary" else f"summary_{part}.json"
     (out / name).write_text(json.dumps(summary, indent=1) + "\n")
     text = report(summary)
     (out / name.replace("summary", "report").replace(".json", ".md")).write_text(text)

@@ -83,5 +83,11 @@ def test_per_item_validation_losses(concept: HatchData) -> None:
     # One crop's loss does not depend on what else shares its batch.
     alone = [{**val[0], "latents": val[0]["latents"][:1], "class_ids": val[0]["class_ids"][:1]}]
     torch.testing.assert_close(native_validation_losses(model, None, alone, seed=0, sigmas=(0.2, 0.8), draws=2)[0], items[0])
+    # A stratum appended at the end leaves the others' items as they were, in the study's chunked forward too: the
+    # quality study's ε = 0.1 comparison validates its native twins at one more stratum and checks them against the
+    # primary study's (benchmarks/bench_quality.py natives_match).
+    chunked = native_validation_losses(model, None, val, seed=0, sigmas=(0.2, 0.8), draws=2, rows_per_forward=4)
+    more = native_validation_losses(model, None, val, seed=0, sigmas=(0.2, 0.8, 0.95), draws=2, rows_per_forward=4)
+    torch.testing.assert_close(more[:, :2], chunked, rtol=0, atol=1e-6)
     with pytest.raises(ValueError, match="draws >= 1"):
         native_validation_losses(model, None, val, seed=0, draws=0)

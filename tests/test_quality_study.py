@@ -143,7 +143,6 @@ def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
     assert bench.default_margin({"hatch": block}, ["hatch", "subject"])["value"] is None  # a concept missing
 
 
-@pytest.mark.long
 def test_the_report_names_the_reading_on_which_the_control_shows_no_loss() -> None:
     bench = _bench()
     posters = {"control_shows_loss": {"loss": True, "sample_metric": False}}
@@ -153,6 +152,62 @@ def test_the_report_names_the_reading_on_which_the_control_shows_no_loss() -> No
     assert bench.control_reading({}) == ""  # no control arm run: nothing to read
 
 
+def _with_stratum(run: dict, sigma: float = 0.975) -> dict:
+    """``run`` validated at one more stratum, appended at the end (its items a copy of the last stratum's)."""
+    shape = run["items_shape"]
+    items = [np.concatenate([np.reshape(i, shape), np.reshape(i, shape)[:, -1:]], axis=1).flatten().tolist() for i in run["items"]]
+    settings = {**run["settings"], "sigmas": [*run["settings"]["sigmas"], sigma]}
+    return {**run, "settings": settings, "weights": [0.4, 0.4, 0.2], "items_shape": [shape[0], shape[1] + 1, shape[2]], "items": items}
+
+
+def test_the_narrow_comparison_joins_the_concepts_arms_with_its_own_strata_and_twins(monkeypatch) -> None:
+    """PROTOCOL §4 (version 4): the ε = 0.1 arm is compared with its own native twins on its own strata, which must
+    equal the primary study's natives where both validate; it joins the arms only once it has run somewhere."""
+    bench = _bench()
+    primary = {("native", s): _run("native", s, 0.1, 1.0, False) for s in range(4)}
+    comparison = {}
+    for s in range(4):
+        comparison["native", s] = _with_stratum(primary["native", s])
+        comparison[bench.NARROW, s] = _with_stratum(_run(bench.NARROW, s, 0.1, 0.8, True))
+    tables = {"native": None, bench.NARROW: {"routes": [{"route": "512:384", "sigma_min": 0.95}]}}
+    monkeypatch.setattr(bench, "part_arms", lambda concept, part, out=None: (tables, [0.3, 0.9, 0.975]))
+    entry = bench.narrow_entry("hatch", primary, comparison, Path("unused"))
+    assert entry["decision"] == "non-inferior" and [s["sigma"] for s in entry["equal_compute_by_sigma"]] == [0.3, 0.9, 0.975]
+    assert entry["comparison"]["validation"]["sigmas"] == [0.3, 0.9, 0.975]
+    assert entry["comparison"]["natives_match"] == {"seeds": [0, 1, 2, 3], "max_abs_diff": 0.0}
+    block = bench.summarize_concept("hatch", primary, {"native": None})
+    concepts = {"hatch": block, "subject": {"arms": {}}}
+    bench.join_narrow(concepts, {"hatch": None, "subject": bench.windowless_entry()})
+    assert bench.NARROW not in concepts["subject"]["arms"]  # nowhere run yet: a windowless arm is not listed
+    bench.join_narrow(concepts, {"hatch": entry, "subject": bench.windowless_entry()})
+    assert concepts["hatch"]["arms"][bench.NARROW] is entry and concepts["subject"]["arms"][bench.NARROW]["windowless"]
+    summary = {"protocol_revision": "p", "default_margin": None, "default_margin_why": "x", "default_positions": None,
+               "default_positions_why": "x", "schedule": "flops", "code_revision": "c", "command": "c", "concepts": {"hatch": block}}  # fmt: skip
+    text = bench.report(summary)
+    assert "The ε = 0.1 comparison, against its own native twins" in text and "| 0.975 | 0.200 |" in text
+    comparison["native", 2]["items"][3][0] += 1e-3  # another twin: refused, not summarised
+    with pytest.raises(ValueError, match="not the same twins"):
+        bench.narrow_entry("hatch", primary, comparison, Path("unused"))
+
+
+def test_the_narrow_comparison_plans_its_own_runs_and_leaves_the_primary_as_it_was(capsys) -> None:
+    """On the shipped windows: the primary study keeps its 232 runs and strata; the ε = 0.1 comparison runs native and
+    eps0.1 on subject and style (hatch's windows at 0.1 are empty), 16 seeds each, validated at (0.975, 1]'s midpoint
+    as well, in a folder of its own."""
+    bench = _bench()
+    primary = bench.planned_runs(bench.parse_args(["study"]))
+    assert len(primary) == 232 and {tuple(j["settings"]["sigmas"]) for j in primary if j["concept"] == "style"} == {bench.FIXED_SIGMAS}
+    narrow = bench.planned_runs(bench.parse_args(["study", "--narrow"]))
+    assert len(narrow) == 64 and {(j["concept"], j["arm"]) for j in narrow} == {
+        (c, a) for c in ("subject", "style") for a in ("native", bench.NARROW)}  # fmt: skip
+    assert {tuple(j["settings"]["sigmas"]) for j in narrow} == {(*bench.FIXED_SIGMAS, 0.9875)}
+    assert bench.run_path(bench.OUT, "style", "native", 3, narrow[0]["part"]) == bench.OUT / "runs" / "style_eps0.1" / "native_s3.json"
+    with pytest.raises(SystemExit):
+        bench.parse_args(["study", "--narrow", "--concepts", "style", "--schedule", "steps"])
+    assert "--narrow is the ε = 0.1 comparison under the primary schedule" in capsys.readouterr().err
+
+
+@pytest.mark.long
 def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
     """Windows from the stored concept map, two arms of one seed at tiny settings on the shipped base
     (``concept``: the hatch's data until the concepts are renamed), summary and report."""
@@ -168,6 +223,11 @@ def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
                 "--val_per_bucket", "1", "--val_draws", "1", "--samples", "1", "--arms", "native,all0.5", "--seeds", "0"]  # fmt: skip
         args = bench.parse_args(argv)
         bench.work(args)
+        # This map certifies nothing at 0.1: its 0.2 windows stand in, so the comparison has an arm to run.
+        eps = tmp_path / "windows"
+        (eps / "concept_eps0.1.toml").write_text((eps / "concept_eps0.2.toml").read_text())
+        narrow = [*argv[: argv.index("--arms")], "--arms", f"native,{bench.NARROW}", "--seeds", "0", "--narrow"]
+        bench.work(bench.parse_args(narrow))  # the ε = 0.1 comparison: its own native twin, maybe one more stratum
     finally:
         torch.set_num_threads(threads)
     run = json.loads((tmp_path / "runs" / "concept" / "all0.5_s0.json").read_text())
@@ -176,6 +236,8 @@ def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
     summary = bench.summarize(args, argv)
     assert summary["protocol_revision"] and summary["default_margin"] is None
     assert "all0.5" in summary["concepts"]["concept"]["arms"] and bench.refusals(args, bench.planned_runs(args)) == []
+    narrow_arm = summary["concepts"]["concept"]["arms"][bench.NARROW]  # joined: the real twins equal on shared strata
+    assert narrow_arm["comparison"]["natives_match"]["seeds"] == [0] and narrow_arm["comparison"]["natives_match"]["max_abs_diff"] <= 1e-6
     # the exploratory band reading retrains without validating: the same twins as the stored runs, sample for sample
     (path,) = bench.diagnose_bands(bench.parse_args(["bands", *argv[1:]]))
     readings = json.loads(path.read_text())["readings"]

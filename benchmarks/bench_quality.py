@@ -304,6 +304,18 @@ def part_arms(concept: str, part: str, out: Path = OUT) -> tuple[dict[str, dict[
     return narrow, concept_sigmas({**primary, NARROW: narrow[NARROW]})
 
 
+def map_cost(concept: str, out: Path = OUT) -> dict[str, Any] | None:
+    """PROTOCOL §4: the concept map's cost, not counted in an arm's time but reported beside the table: its path, the
+    wall seconds of its collection at one torch thread (model setup apart) and its code revision, from its provenance.
+    The interp arm's map is the same command with interpolated positions, the same size of measurement."""
+    source = choice_path(concept, out)
+    if not source.is_file():
+        return None
+    path = json.loads(source.read_text())["map"]
+    provenance = json.loads((ROOT / path).read_text())["provenance"]
+    return {"map": path, "wall_s": provenance["wall_s"], "setup_s": provenance["setup_s"], "code_revision": provenance.get("code_revision")}
+
+
 def windowless(table: dict[str, Any] | None) -> bool:
     """An arm whose map certified no window (``enable = false``) is the native run: recorded, not trained."""
     return table is not None and table.get("enable") is False
@@ -764,6 +776,7 @@ def summarize_concept(concept: str, runs: dict[tuple[str, int], dict[str, Any]],
         "native_gain_fraction": float(np.mean(facts["gain_fraction"])),
         "native_last_quarter_fraction": float(np.mean(facts["last_quarter_fraction"])),
         "native_last_quarter_fraction_max": float(np.max(facts["last_quarter_fraction"])),
+        "native_train_cpu_s": float(np.mean([natives[s]["curve"][-1]["cpu_s"] for s in nat_seeds])),
         "delta": delta,
         "validation": {"sigmas": sigmas, "weights": weights,
                        "items": {"crops": shape[0], "draws": shape[2], "per_bucket": first["settings"]["val_per_bucket"],
@@ -987,6 +1000,7 @@ def summarize(args: argparse.Namespace, argv: list[str]) -> dict[str, Any]:
     for concept in args.concept_list:
         runs = load_runs(runs_folder(out, concept, part))
         concepts[concept] = summarize_concept(concept, runs, part_arms(concept, part, windows)[0])
+        concepts[concept]["map_cost"] = map_cost(concept, windows)
         if part == "primary" and windows_path(concept, NARROW_MARGIN, windows).is_file():
             narrow[concept] = narrow_entry(concept, runs, load_runs(runs_folder(out, concept, NARROW)), windows)
     join_narrow(concepts, narrow)
@@ -1061,7 +1075,22 @@ def readme_table(summary: dict[str, Any]) -> str:
             ratio = lambda d: ("≥ " if d["reached"] < d["seeds"] else "") + f"{d['ratio']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]"  # noqa: E731
             lines.append(f"| {row_label} | {arm_label(arm, summary['default_margin'])} | {100 * e['steps_routed']:.1f} % | "
                          f"{ratio(tq['flops'])} | {ratio(tq['cpu'])} | {cell} |")  # fmt: skip
-    return "\n".join(lines) + "\n"
+    return "\n".join(lines) + "\n" + map_cost_line(summary)
+
+
+def map_cost_line(summary: dict[str, Any]) -> str:
+    """The concept maps' cost beside the table (PROTOCOL §4), against a native run's training CPU on the same concept."""
+    costs = [
+        (c["map_cost"]["wall_s"], c["native_train_cpu_s"])
+        for c in summary["concepts"].values()
+        if c.get("map_cost") and "native_train_cpu_s" in c
+    ]
+    if not costs:
+        return ""
+    seconds, ratios = [s for s, _ in costs], [s / t for s, t in costs]
+    span = lambda xs, f: f"{format(min(xs), f)}–{format(max(xs), f)}"  # noqa: E731
+    return (f"\nThe windows come from one `map` per concept, not counted in the times above: {span(seconds, ',.0f')} s each at "
+            f"one torch thread, {span(ratios, '.0f')} × a native run's training CPU at the lab's size.\n")  # fmt: skip
 
 
 def report(summary: dict[str, Any]) -> str:
@@ -1100,6 +1129,13 @@ def report(summary: dict[str, Any]) -> str:
             f"## {name} ({c['task']['kind']}): S = {c['steps']}, native improvement {c['native_gain']:.4f} "
             f"({100 * c['native_gain_fraction']:.1f} % of the base's L̄; last quarter {100 * c['native_last_quarter_fraction']:.1f} %, "
             f"max {100 * c['native_last_quarter_fraction_max']:.1f} %); δ = {c['delta']:.4f}" + control_reading(c),
+            "",
+            (
+                f"The concept map (`{c['map_cost']['map']}`), not counted in the arms' times (PROTOCOL §4): {c['map_cost']['wall_s']:,.0f} s "
+                f"at one thread; a native run trains in {c['native_train_cpu_s']:.0f} CPU s."
+                if c.get("map_cost")
+                else "No concept map recorded."
+            ),
             "",
             "Arm − native at one unit of native FLOPs, per stratum (weight = the training σ law's mass on its cell):",
             "",

@@ -377,6 +377,18 @@ def test_default_margin_and_positions_follow_protocol_section_6() -> None:
     assert bench.default_margin(concepts, expected)["value"] is None
 
 
+def test_the_concept_maps_cost_is_reported_beside_the_table() -> None:
+    """PROTOCOL §4: the map a user runs for the windows is not counted in an arm's time, so the README's table says
+    what it cost, from the map's own provenance, against a native run's training CPU."""
+    bench = _bench()
+    cost = bench.map_cost("style")
+    assert cost["map"] == "docs/fidelity/multires/style_t1024/map.json" and cost["wall_s"] == pytest.approx(2806.83)
+    summary = {"concepts": {"style": {"map_cost": cost, "native_train_cpu_s": 158.3, "arms": {}},
+                            "hatch": {"map_cost": {**cost, "wall_s": 3812.8}, "native_train_cpu_s": 150.0, "arms": {}}}}  # fmt: skip
+    assert "not counted in the times above: 2,807–3,813 s each at one torch thread, 18–25 × a native run's" in bench.map_cost_line(summary)
+    assert bench.map_cost_line({"concepts": {}}) == ""
+
+
 def test_the_interp_windows_differ_only_where_the_routes_do() -> None:
     bench = _bench()
     tables = bench.concept_arms("hatch")

@@ -305,15 +305,22 @@ def part_arms(concept: str, part: str, out: Path = OUT) -> tuple[dict[str, dict[
 
 
 def map_cost(concept: str, out: Path = OUT) -> dict[str, Any] | None:
-    """PROTOCOL §4: the concept map's cost, not counted in an arm's time but reported beside the table: its path, the
-    wall seconds of its collection at one torch thread (model setup apart) and its code revision, from its provenance.
-    The interp arm's map is the same command with interpolated positions, the same size of measurement."""
+    """PROTOCOL §4: the concept map's cost, not counted in an arm's time but reported beside the table, from the map
+    itself: the wall seconds of its collection at one torch thread (model setup apart), and its size in native-step
+    equivalents (every probe, σ bin and draw takes a gradient pass per arm: two native, one per route at its token
+    fraction r²), which a user pays whatever the model's size. The interp arm's map is the same command with
+    interpolated positions, the same size."""
     source = choice_path(concept, out)
     if not source.is_file():
         return None
     path = json.loads(source.read_text())["map"]
-    provenance = json.loads((ROOT / path).read_text())["provenance"]
-    return {"map": path, "wall_s": provenance["wall_s"], "setup_s": provenance["setup_s"], "code_revision": provenance.get("code_revision")}
+    blob = json.loads((ROOT / path).read_text())
+    bins = len(blob["bins"]["edges"]) - 1 + bool(blob["bins"]["endpoint"])
+    per_draw = sum(1.0 if a["kind"] == "native" else a["ratio"] ** 2 for a in blob["arms"])
+    settings = blob["settings"]
+    return {"map": path, "wall_s": blob["provenance"]["wall_s"], "setup_s": blob["provenance"]["setup_s"],
+            "native_step_equivalents": settings["images"] * bins * settings["draws"] * per_draw,
+            "code_revision": blob["provenance"].get("code_revision")}  # fmt: skip
 
 
 def windowless(table: dict[str, Any] | None) -> bool:
@@ -1079,18 +1086,17 @@ def readme_table(summary: dict[str, Any]) -> str:
 
 
 def map_cost_line(summary: dict[str, Any]) -> str:
-    """The concept maps' cost beside the table (PROTOCOL §4), against a native run's training CPU on the same concept."""
-    costs = [
-        (c["map_cost"]["wall_s"], c["native_train_cpu_s"])
-        for c in summary["concepts"].values()
-        if c.get("map_cost") and "native_train_cpu_s" in c
-    ]
-    if not costs:
+    """The concept maps' cost beside the table (PROTOCOL §4): its size in native steps against the native run's S,
+    and its wall seconds against a native run's training CPU on the same concept."""
+    maps = [c for c in summary["concepts"].values() if c.get("map_cost") and "native_train_cpu_s" in c]
+    if not maps:
         return ""
-    seconds, ratios = [s for s, _ in costs], [s / t for s, t in costs]
-    span = lambda xs, f: f"{format(min(xs), f)}–{format(max(xs), f)}"  # noqa: E731
-    return (f"\nThe windows come from one `map` per concept, not counted in the times above: {span(seconds, ',.0f')} s each at "
-            f"one torch thread, {span(ratios, '.0f')} × a native run's training CPU at the lab's size.\n")  # fmt: skip
+    span = lambda xs, f: "–".join(dict.fromkeys((format(min(xs), f), format(max(xs), f))))  # noqa: E731
+    steps = [c["map_cost"]["native_step_equivalents"] for c in maps]
+    return (f"\nThe windows come from one `map` per concept, not counted in the times above: {span(steps, ',.0f')} native-step "
+            f"equivalents each, {span([c['map_cost']['native_step_equivalents'] / c['steps'] for c in maps], '.0f')} × the native "
+            f"run's {span([c['steps'] for c in maps], 'd')} steps ({span([c['map_cost']['wall_s'] for c in maps], ',.0f')} s at one torch thread, "
+            f"{span([c['map_cost']['wall_s'] / c['native_train_cpu_s'] for c in maps], '.0f')} × its training CPU).\n")  # fmt: skip
 
 
 def report(summary: dict[str, Any]) -> str:

@@ -383,9 +383,13 @@ def test_the_concept_maps_cost_is_reported_beside_the_table() -> None:
     bench = _bench()
     cost = bench.map_cost("style")
     assert cost["map"] == "docs/fidelity/multires/style_t1024/map.json" and cost["wall_s"] == pytest.approx(2806.83)
-    summary = {"concepts": {"style": {"map_cost": cost, "native_train_cpu_s": 158.3, "arms": {}},
-                            "hatch": {"map_cost": {**cost, "wall_s": 3812.8}, "native_train_cpu_s": 150.0, "arms": {}}}}  # fmt: skip
-    assert "not counted in the times above: 2,807–3,813 s each at one torch thread, 18–25 × a native run's" in bench.map_cost_line(summary)
+    # 16 probes × 15 σ bins (14 and σ = 1) × 8 draws × (2 native passes + 0.25 + 0.5625 + 0.765625 for the routes)
+    assert cost["native_step_equivalents"] == pytest.approx(16 * 15 * 8 * 3.578125)
+    summary = {"concepts": {"style": {"map_cost": cost, "native_train_cpu_s": 158.3, "steps": 400, "arms": {}},
+                            "hatch": {"map_cost": {**cost, "wall_s": 3812.8}, "native_train_cpu_s": 150.0, "steps": 400, "arms": {}}}}  # fmt: skip
+    assert bench.map_cost_line(summary) == (
+        "\nThe windows come from one `map` per concept, not counted in the times above: 6,870 native-step equivalents each, "
+        "17 × the native run's 400 steps (2,807–3,813 s at one torch thread, 18–25 × its training CPU).\n")  # fmt: skip
     assert bench.map_cost_line({"concepts": {}}) == ""
 
 

@@ -1085,6 +1085,24 @@ def readme_table(summary: dict[str, Any]) -> str:
     return "\n".join(lines) + "\n" + map_cost_line(summary)
 
 
+README = ROOT / "README.md"
+README_TABLE = (
+    "<!-- quality table: written by `python benchmarks/bench_quality.py report --readme` -->",
+    "<!-- end of the quality table -->",
+)
+
+
+def splice_readme(text: str, table: str) -> str:
+    """``text`` (the README) with the block between its quality-table markers replaced by ``table``, so the first
+    screen's numbers are the stored summary's and nothing else."""
+    begin, end = README_TABLE
+    head, sep, rest = text.partition(begin + "\n")
+    _, sep_end, tail = rest.partition(end)
+    if not sep or not sep_end:
+        raise ValueError(f"the README lacks its quality-table markers {begin!r} … {end!r}")
+    return f"{head}{begin}\n{table.rstrip(chr(10))}\n{end}{tail}"
+
+
 def map_cost_line(summary: dict[str, Any]) -> str:
     """The concept maps' cost beside the table (PROTOCOL §4): its size in native steps against the native run's S,
     and its wall seconds against a native run's training CPU on the same concept."""
@@ -1193,6 +1211,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help=f"the ε = {NARROW_MARGIN:g} comparison (PROTOCOL §4, §6, version 4): arms native and {NARROW} in runs/<concept>_{NARROW}/, "
         "validated on the strata its windows add; run only when §6 calls for it (report merges it into summary.json)",
     )
+    parser.add_argument(
+        "--readme", action="store_true", help="report: also write the primary study's table into README.md (between its markers)"
+    )
     parser.add_argument("--arms", default="", help="study: only these arms (default: every arm of each concept)")
     parser.add_argument("--seeds", default="", help="study: only these seeds (default: the protocol's)")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time, one process and one torch thread each (default 2)")
@@ -1218,6 +1239,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         problems.append(f"--seeds: {args.seeds!r} is not a comma-separated list of integers")
     if args.command == "windows" and (args.concept not in CONCEPTS or not args.map):
         problems.append(f"windows needs --concept (one of {', '.join(CONCEPTS)}) and --map MAP_JSON")
+    if args.readme and (args.command != "report" or args.schedule != "flops" or args.narrow):
+        problems.append("--readme: only with report on the primary study (no --schedule steps, no --narrow)")
     if args.narrow and args.schedule == "steps":
         problems.append("--narrow is the ε = 0.1 comparison under the primary schedule: not with --schedule steps")
     if args.schedule == "steps" and args.command != "windows":
@@ -1270,6 +1293,8 @@ def main(argv: list[str] | None = None) -> int:
     (out / name).write_text(json.dumps(summary, indent=1) + "\n")
     text = report(summary)
     (out / name.replace("summary", "report").replace(".json", ".md")).write_text(text)
+    if args.readme:
+        README.write_text(splice_readme(README.read_text(), readme_table(summary)))
     print(text)
     return 0
 

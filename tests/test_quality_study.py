@@ -143,6 +143,27 @@ def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
     assert bench.default_margin({"hatch": block}, ["hatch", "subject"])["value"] is None  # a concept missing
 
 
+def test_report_readme_replaces_only_the_marked_table(capsys) -> None:
+    """The README's table is written from the summary between its markers; the text around it stays as it was, a
+    second splice changes nothing, and a README without the markers is refused rather than appended to."""
+    bench = _bench()
+    begin, end = bench.README_TABLE
+    text = f"intro\n\n{begin}\n| old | table |\n{end}\n\nafter\n"
+    once = bench.splice_readme(text, "| new |\n\nmap line\n")
+    assert once == f"intro\n\n{begin}\n| new |\n\nmap line\n{end}\n\nafter\n"
+    assert bench.splice_readme(once, "| new |\n\nmap line\n") == once
+    for broken in ("intro\n", f"{begin}\n| old |\n", f"| old |\n{end}\n"):
+        with pytest.raises(ValueError, match="quality-table markers"):
+            bench.splice_readme(broken, "| new |")
+    readme = bench.README.read_text()
+    assert readme.count(begin) == 1 and readme.count(end) == 1 and readme.index(begin) < readme.index(end)
+    for argv in (["study", "--readme"], ["report", "--readme", "--narrow"]):
+        with pytest.raises(SystemExit):
+            bench.parse_args(argv)
+    assert "--readme: only with report" in capsys.readouterr().err
+    assert bench.parse_args(["report", "--readme"]).readme
+
+
 def test_the_report_names_the_reading_on_which_the_control_shows_no_loss() -> None:
     bench = _bench()
     posters = {"control_shows_loss": {"loss": True, "sample_metric": False}}

@@ -1082,7 +1082,29 @@ def readme_table(summary: dict[str, Any]) -> str:
             ratio = lambda d: ("≥ " if d["reached"] < d["seeds"] else "") + f"{d['ratio']:.2f} [{d['lo']:.2f}, {d['hi']:.2f}]"  # noqa: E731
             lines.append(f"| {row_label} | {arm_label(arm, summary['default_margin'])} | {100 * e['steps_routed']:.1f} % | "
                          f"{ratio(tq['flops'])} | {ratio(tq['cpu'])} | {cell} |")  # fmt: skip
-    return "\n".join(lines) + "\n" + map_cost_line(summary)
+    return "\n".join(lines) + "\n" + readme_verdict(summary) + map_cost_line(summary)
+
+
+def readme_verdict(summary: dict[str, Any]) -> str:
+    """The first screen's words under the table (PROTOCOL §6): the default margin with the rule's reason, in bold
+    where no margin was shown non-inferior on every concept or every margin fails somewhere (the reason names each
+    margin's concepts and strata), and which margins are sooner in FLOPs, or in bold that none is anywhere."""
+    why, value = summary["default_margin_why"], summary["default_margin"]
+    why = why[0].upper() + why[1:]
+    if why.startswith(("No margin run", "Every margin run")):
+        why = f"**{why}**"
+    margin = "none" if value is None else f"ε = {value:g}"
+    sooner = {
+        arm_label(arm, value): [c for c, block in summary["concepts"].items() if block["arms"].get(arm, {}).get("sooner", {}).get("flops")]
+        for arm in margin_arms(summary["concepts"])
+    }
+    sooner = {label: concepts for label, concepts in sooner.items() if concepts}
+    if sooner:
+        where = "; ".join(f"{label} on {', '.join(concepts)}" for label, concepts in sooner.items())
+        speed = f"Sooner in FLOPs (the interval's upper end below 1): {where}."
+    else:
+        speed = "**No margin is sooner in FLOPs on any concept.**"
+    return f"\nDefault margin (PROTOCOL §6): {margin}. {why}. {speed}\n"
 
 
 README = ROOT / "README.md"

@@ -131,7 +131,7 @@ def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
     summary = {"protocol_revision": "p", "default_margin": None, "default_margin_why": "x", "default_positions": None,
                "default_positions_why": "x", "schedule": "flops", "code_revision": "c", "command": "c", "concepts": {"hatch": block}}  # fmt: skip
     assert "| hatch | default |" in bench.report(summary)
-    table = bench.readme_table({**summary, "default_margin": 0.2}).splitlines()
+    table = [row for row in bench.readme_table({**summary, "default_margin": 0.2}).splitlines() if row.startswith("|")]
     assert [row.split(" | ")[1] for row in table[2:]] == ["windows at ε = 0.2 (default margin)", "windows at ε = 0.05",
                                                           "every step at 0.5 (the control)"]  # fmt: skip
     assert table[2].startswith("| hatch (fine detail at the grid's Nyquist) |") and table[3].startswith("|  |")
@@ -141,6 +141,30 @@ def test_summary_keys_and_decisions_on_synthetic_runs() -> None:
     assert table[4].split(" | ")[3].startswith("≥ ") == (control["time_to_quality"]["flops"]["reached"] < 4)
     assert "**" not in table[2] and "(default margin)" not in bench.readme_table(summary)
     assert bench.default_margin({"hatch": block}, ["hatch", "subject"])["value"] is None  # a concept missing
+
+
+def test_the_readme_states_the_default_margin_rule_and_which_margins_are_sooner() -> None:
+    """PROTOCOL §6's first-screen words come with the table: the rule's reason in bold where no margin was shown
+    non-inferior on every concept (naming what kept each), and in bold that no margin is sooner where none is."""
+    bench = _bench()
+    sooner = {"decision": "non-inferior", "sooner": {"flops": True, "cpu": False}}
+    late = {"decision": "inconclusive", "sooner": {"flops": False, "cpu": False}}
+    concepts = {"subject": {"arms": {"native": {}, "default": sooner, "eps0.3": late}},
+                "style": {"arms": {"native": {}, "default": late, "eps0.3": sooner, "seed_recipe": sooner}}}  # fmt: skip
+    summary = {"default_margin": 0.2, "default_margin_why": "the widest margin non-inferior on every concept", "concepts": concepts}
+    verdict = bench.readme_verdict(summary)
+    assert verdict.startswith("\nDefault margin (PROTOCOL §6): ε = 0.2. The widest margin non-inferior on every concept.")
+    assert "windows at ε = 0.2 (default margin) on subject; windows at ε = 0.3 on style." in verdict and "seed" not in verdict
+    short = "no margin run is non-inferior on every concept (0.2 on style (inconclusive: σ 0.05)): the narrowest that fails on none"
+    verdict = bench.readme_verdict({**summary, "default_margin": 0.1, "default_margin_why": short})
+    assert "ε = 0.1. **No margin run is non-inferior on every concept (0.2 on style (inconclusive: σ 0.05))" in verdict
+    for block in concepts.values():
+        block["arms"]["default"] = block["arms"]["eps0.3"] = late
+    verdict = bench.readme_verdict({**summary, "default_margin": None, "default_margin_why": "every margin run fails on some concept (…)"})
+    assert "Default margin (PROTOCOL §6): none. **Every margin run fails" in verdict
+    assert verdict.rstrip().endswith("**No margin is sooner in FLOPs on any concept.**")
+    empty = {**summary, "concepts": {}}
+    assert bench.readme_verdict(empty) in bench.readme_table(empty)
 
 
 def test_report_readme_replaces_only_the_marked_table(capsys) -> None:

@@ -698,6 +698,9 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"bench_quality: the code revision {now['revision']} does not descend from the protocol's ({protocol_revision()}): "
               "a run must (PROTOCOL.md)", file=sys.stderr)  # fmt: skip
         return 2
+    if study_part(args) == NARROW and (why := narrow_refusal(args)):
+        print(f"bench_quality: --narrow: {why}", file=sys.stderr)
+        return 2
     jobs = planned_runs(args)
     refused = refusals(args, jobs)
     if refused:
@@ -711,6 +714,18 @@ def launch(args: argparse.Namespace, argv: list[str]) -> int:
         print(f"bench_quality: worker exit codes {codes}", file=sys.stderr)
         return 1
     return 0
+
+
+def narrow_refusal(args: argparse.Namespace) -> str | None:
+    """Why PROTOCOL §6 does not call for the ε = 0.1 comparison, or None when it does: every other arm has all its
+    seeds and no margin run is non-inferior on every concept. Read from the primary arms alone, so a comparison
+    already under way resumes."""
+    out, windows = Path(args.out), Path(args.windows)
+    concepts = {c: summarize_concept(c, load_runs(runs_folder(out, c)), part_arms(c, "primary", windows)[0]) for c in CONCEPTS}
+    decided = default_margin(concepts, list(CONCEPTS))
+    if decided["value"] is None and decided["why"].endswith("the ε = 0.1 comparison runs next (PROTOCOL §4, §6)"):
+        return None
+    return f"PROTOCOL §6 does not call for the ε = 0.1 comparison: default margin {decided['value']} ({decided['why']})"
 
 
 def decide_pilots(args: argparse.Namespace) -> dict[str, Any]:

@@ -252,7 +252,6 @@ def test_the_narrow_comparison_plans_its_own_runs_and_leaves_the_primary_as_it_w
     assert "--narrow is the ε = 0.1 comparison under the primary schedule" in capsys.readouterr().err
 
 
-@pytest.mark.long
 def test_the_narrow_comparison_starts_only_when_protocol_section_6_calls_for_it(monkeypatch, capsys) -> None:
     """PROTOCOL §4, §6: `study --narrow` is refused, before any run, unless every other arm has all its seeds and no
     margin run is non-inferior on every concept; the rule reads the primary arms alone, so a comparison under way
@@ -267,8 +266,13 @@ def test_the_narrow_comparison_starts_only_when_protocol_section_6_calls_for_it(
 
         return decide
 
-    args = bench.parse_args(["study", "--narrow", "--jobs", "0"])
+    args = bench.parse_args(["study", "--narrow"])
     monkeypatch.setattr(bench, "descends_from_protocol", lambda revision: True)  # a shallow clone has no history to check
+
+    def no_run(args):
+        raise AssertionError("the ε = 0.1 comparison was planned: a refused command must start no run")
+
+    monkeypatch.setattr(bench, "planned_runs", no_run)
     monkeypatch.setattr(bench, "default_margin", rule("the widest margin non-inferior on every concept"))
     assert bench.launch(args, ["study", "--narrow"]) == 2
     assert "--narrow: PROTOCOL §6 does not call for the ε = 0.1 comparison: default margin 0.2" in capsys.readouterr().err
@@ -277,6 +281,7 @@ def test_the_narrow_comparison_starts_only_when_protocol_section_6_calls_for_it(
     assert all(bench.NARROW not in arms for arms in seen) and len(seen) == 2
 
 
+@pytest.mark.long
 def test_a_tiny_study_end_to_end(tmp_path, monkeypatch) -> None:
     """Windows from the stored concept map, two arms of one seed at tiny settings on the shipped base
     (``concept``: the hatch's data until the concepts are renamed), summary and report."""
